@@ -1,0 +1,76 @@
+"""embedding_store: embedding rows on three tiers — device slots, host DRAM, LMDB on SSD.
+
+A *row* is the persistent record of one id of a table: ``dim`` float32 weights followed by that id's
+optimizer state (EXACT_SGD: none, EXACT_ROWWISE_ADAGRAD: 1 float, EXACT_ADAGRAD: ``dim`` floats).
+A *slot* is a position in the device slot table that the model looks up. Never-seen ids are lazily
+initialised by :func:`init_rows` (a pure function of seed, table, id) with zero optimizer state, so the
+same function initialises an untiered reference table.
+
+Tiers (highest first; the highest tier holding a row holds its latest value, tiers are exclusive):
+
+- device: binds to the slot table's *externally owned* weight (S, D) and optimizer-state tensors
+  (e.g. FBGEMM ``split_embedding_weights()`` / ``split_optimizer_states()``, which alias live storage)
+  and reads/writes rows there in place; one pin bit per in-flight batch.
+- host: a preallocated arena (pinned when CUDA is present) with dirty bits; dirty victims go to a
+  background writer that batches LMDB transactions; reads see rows still queued (read-your-writes).
+- ssd: one LMDB environment per rank shard (``path``), one named DB per table, 8-byte big-endian keys.
+  The map grows on demand up to an optional cap; a full map/disk raises StoreFullError with nothing
+  half-written; ``tierrec.lock`` (flock) refuses a second opener with StoreLockedError.
+
+Batch API (drive it from any threads; calls serialise on the store lock, ``prefetch`` drops the lock
+during its LMDB read, and a writer failure is raised by the next call)::
+
+    store = TieredStore(path, config=StoreConfig(seed=0, device_capacity_rows=S, host_capacity_rows=H),
+                        tables=[TableSpec(name="t0", dim=D, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)])
+    store.bind("t0", weights=w, state=m)      # w: (S, D), m: (S,) — the slot table's live tensors
+    store.lookahead(i + 2, {"t0": ids_i2})    # announce future batches (LOOKAHEAD protects their rows)
+    store.prefetch(i + 2)                     # SSD -> host for an announced batch
+    slots = store.make_resident(i, {"t0": ids_i})["t0"]  # evict, fill, pin; same shape as ids
+    ...                                       # forward/backward on the slot table with `slots`
+    store.release(i)                          # unpin after the batch's backward
+    store.flush(); store.snapshot(dir); store.close()   # or use `with TieredStore(...) as store:`
+    for chunk in store.iter_rows("t0"): ...   # (ids (n,), weights (n, D), state) ascending ids
+    store.read_rows("t0", ids); store.stats()
+
+Building blocks: :class:`~embedding_store.index.HashIdMap` / ``DenseIdMap`` (vectorised id -> position
+maps), eviction policies (``LRU``, ``LFU``, ``LOOKAHEAD``) in :mod:`embedding_store.policies`, and the
+LMDB backend in :mod:`embedding_store.lmdb_backend` (the only module that imports ``lmdb``).
+"""
+
+from embedding_store.config import LmdbOptions, OptimizerKind, PolicyKind, StoreConfig, TableSpec, Tier
+from embedding_store.errors import (
+    IdOutOfRangeError,
+    StoreCapacityError,
+    StoreClosedError,
+    StoreCorruptError,
+    StoreError,
+    StoreFullError,
+    StoreIncompatibleError,
+    StoreLockedError,
+)
+from embedding_store.init import init_rows
+from embedding_store.stats import StoreStats, TierStats
+from embedding_store.store import RowChunk, TieredStore, restore_snapshot
+
+__all__ = [
+    "IdOutOfRangeError",
+    "LmdbOptions",
+    "OptimizerKind",
+    "PolicyKind",
+    "RowChunk",
+    "StoreCapacityError",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreCorruptError",
+    "StoreError",
+    "StoreFullError",
+    "StoreIncompatibleError",
+    "StoreLockedError",
+    "StoreStats",
+    "TableSpec",
+    "Tier",
+    "TierStats",
+    "TieredStore",
+    "init_rows",
+    "restore_snapshot",
+]

@@ -1,0 +1,171 @@
+"""Vectorised id -> position maps (slot of the device tier, arena row of the host tier).
+
+Two implementations of one small contract, both free of per-id Python loops:
+
+- :class:`DenseIdMap` for bounded id spaces: an int32 array indexed by id (~2e8 lookups/s).
+- :class:`HashIdMap` for unbounded 64-bit ids: open addressing with linear probing in numpy, every
+  probe round handling all pending queries at once. The table holds at most half its size in live
+  entries, so a hit takes ~1.5 probes; deletions leave tombstones and the table is rebuilt when they
+  pile up.
+
+Positions are int64 in ``[0, capacity)``; a lookup returns -1 for an absent id.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["DenseIdMap", "HashIdMap", "IdMap", "make_id_map"]
+
+_EMPTY = -1
+_TOMB = -2
+_MUL = np.uint64(0x9E3779B97F4A7C15)
+_DENSE_MAX_IDS = 1 << 26  # dense maps up to 256 MiB of int32
+
+
+class IdMap(Protocol):
+    """id -> position map. Ids are int64 >= 0; positions int64 >= 0."""
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """(N,) int64 ids, duplicates allowed -> (N,) int64 positions, -1 where absent."""
+        ...
+
+    def insert(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        """Insert (N,) unique ids that are absent, with their (N,) positions."""
+        ...
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Remove (N,) unique ids that are present."""
+        ...
+
+    def __len__(self) -> int: ...
+
+
+class DenseIdMap:
+    """Bounded id space ``[0, num_ids)``: one int32 position per possible id."""
+
+    def __init__(self, num_ids: int) -> None:
+        self._pos = np.full(num_ids, _EMPTY, dtype=np.int32)  # (num_ids,)
+        self._len = 0
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        return self._pos[ids].astype(np.int64)
+
+    def insert(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        self._pos[ids] = positions
+        self._len += len(ids)
+
+    def remove(self, ids: np.ndarray) -> None:
+        self._pos[ids] = _EMPTY
+        self._len -= len(ids)
+
+    def __len__(self) -> int:
+        return self._len
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(4, (n - 1).bit_length())
+
+
+class HashIdMap:
+    """Unbounded int64 ids in an open-addressing table sized for ``max_entries`` live entries."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._size = _next_pow2(2 * max(1, max_entries))
+        self._mask = np.uint64(self._size - 1)
+        self._keys = np.full(self._size, _EMPTY, dtype=np.int64)  # (size,) id, -1 empty, -2 tombstone
+        self._vals = np.zeros(self._size, dtype=np.int64)  # (size,)
+        self._len = 0
+        self._tombs = 0
+
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        # Fibonacci hashing: the top bits of id * golden ratio; ids that differ only in high bits
+        # still spread, and sequential ids land far apart.
+        shift = np.uint64(64 - (self._size.bit_length() - 1))
+        return ((ids.view(np.uint64) * _MUL) >> shift).astype(np.int64)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.full(ids.shape[0], _EMPTY, dtype=np.int64)
+        pos = self._home(ids)  # (N,)
+        active = np.arange(ids.shape[0])
+        mask = self._size - 1
+        while active.size:
+            keys = self._keys[pos]
+            queries = ids[active]
+            hit = keys == queries
+            out[active[hit]] = self._vals[pos[hit]]
+            go_on = ~hit & (keys != _EMPTY)
+            active = active[go_on]
+            pos = (pos[go_on] + 1) & mask
+        return out
+
+    def _find_slots(self, ids: np.ndarray) -> np.ndarray:
+        """Table positions of present ids."""
+        pos = self._home(ids)
+        found = np.full(ids.shape[0], _EMPTY, dtype=np.int64)
+        active = np.arange(ids.shape[0])
+        mask = self._size - 1
+        while active.size:
+            keys = self._keys[pos]
+            hit = keys == ids[active]
+            found[active[hit]] = pos[hit]
+            go_on = ~hit & (keys != _EMPTY)
+            active = active[go_on]
+            pos = (pos[go_on] + 1) & mask
+        return found
+
+    def insert(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        if 2 * (self._len + ids.shape[0]) > self._size:
+            raise ValueError(
+                f"HashIdMap holds at most {self._size // 2} ids, inserting {ids.shape[0]} into {self._len}"
+            )
+        if 4 * (self._len + self._tombs + ids.shape[0]) > 3 * self._size:
+            self._rebuild()
+        self._place(ids, positions)
+        self._len += ids.shape[0]
+
+    def _place(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        pos = self._home(ids)
+        active = np.arange(ids.shape[0])
+        mask = self._size - 1
+        while active.size:
+            keys = self._keys[pos]
+            free = keys < 0
+            # Claim free cells; when several ids hit one cell the last write wins and the others probe on.
+            self._keys[pos[free]] = ids[active[free]]
+            won = free & (self._keys[pos] == ids[active])
+            self._tombs -= int(np.count_nonzero(keys[won] == _TOMB))
+            self._vals[pos[won]] = positions[active[won]]
+            lost = ~won
+            active = active[lost]
+            pos = (pos[lost] + 1) & mask
+
+    def remove(self, ids: np.ndarray) -> None:
+        cells = self._find_slots(np.ascontiguousarray(ids, dtype=np.int64))
+        if (cells < 0).any():
+            raise KeyError("HashIdMap.remove: some ids are absent")
+        self._keys[cells] = _TOMB
+        self._len -= ids.shape[0]
+        self._tombs += ids.shape[0]
+
+    def _rebuild(self) -> None:
+        live = self._keys >= 0
+        ids, vals = self._keys[live], self._vals[live]
+        self._keys.fill(_EMPTY)
+        self._tombs = 0
+        self._place(ids, vals)
+
+    def __len__(self) -> int:
+        return self._len
+
+
+def make_id_map(num_embeddings: int | None, max_entries: int) -> DenseIdMap | HashIdMap:
+    """The cheaper map for an id space: dense when bounded and small, hashed otherwise."""
+    if num_embeddings is not None and num_embeddings <= max(_DENSE_MAX_IDS, 4 * max_entries):
+        return DenseIdMap(num_embeddings)
+    return HashIdMap(max_entries)

@@ -1,0 +1,287 @@
+"""The SSD tier's storage backend: one LMDB environment per rank shard, one named DB per table.
+
+This is the only module that imports ``lmdb``. Keys are 8-byte big-endian ids, so LMDB's byte order is
+ascending id order; values are packed float32 rows (see ``config``). Reads and writes are batched over
+sorted keys (``getmulti``/``putmulti``). The map starts at ``initial_map_size_bytes`` and doubles when a
+write transaction finds it full, up to ``max_map_size_bytes``; a full map or disk raises StoreFullError
+after the transaction was aborted, so no write is ever half-applied.
+
+Threads: reads may run in any thread while the background writer commits; changing the map size needs
+no transaction open in this process, so reads and commits hold a shared lock and a resize an exclusive one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from embedding_store.config import LmdbOptions, TableSpec
+from embedding_store.errors import StoreCorruptError, StoreError, StoreFullError, StoreIncompatibleError
+
+__all__ = ["FORMAT_VERSION", "LmdbBackend", "encode_keys"]
+
+FORMAT_VERSION = 1
+_META_DB = b"__meta__"
+_META_KEY = b"format"
+_CORRUPT = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.BadChecksumError,
+    lmdb.PanicError,
+)
+
+
+def encode_keys(ids: np.ndarray) -> list[bytes]:
+    """(N,) int64 ids >= 0 -> N 8-byte big-endian keys (LMDB's byte order = ascending id order)."""
+    buf = np.ascontiguousarray(ids, dtype=">u8").tobytes()
+    return [buf[i : i + 8] for i in range(0, len(buf), 8)]
+
+
+def _map_error(err: lmdb.Error, what: str) -> StoreError:
+    if isinstance(err, lmdb.MapFullError | lmdb.DiskError) or "No space left" in str(err):
+        return StoreFullError(f"{what}: {err}")
+    if isinstance(err, _CORRUPT):
+        return StoreCorruptError(f"{what}: {err}")
+    return StoreError(f"{what}: {err}")
+
+
+def _table_meta(spec: TableSpec) -> dict[str, object]:
+    return {
+        "dim": spec.dim,
+        "optimizer": spec.optimizer.value,
+        "num_embeddings": spec.num_embeddings,
+        "init_scale": spec.init_scale,
+        "dtype": "float32",
+    }
+
+
+class _SharedExclusiveLock:
+    """Many shared holders or one exclusive holder."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class LmdbBackend:
+    """Packed rows of several tables in one LMDB environment (a context manager).
+
+    Args:
+        path: the environment directory (created if missing).
+        options: map size, sync and readahead options.
+        seed: the store's init seed, recorded and checked on reopen.
+        tables: the tables; ones already on disk must match dim, optimizer, id space, init scale.
+
+    Raises:
+        StoreIncompatibleError: the directory holds a store for other tables or another seed.
+        StoreCorruptError: the metadata or the environment is unreadable.
+    """
+
+    def __init__(self, path: Path, *, options: LmdbOptions, seed: int, tables: Sequence[TableSpec]) -> None:
+        self._options = options
+        self._rw = _SharedExclusiveLock()
+        self._row_bytes = {t.name: t.row_bytes for t in tables}
+        try:
+            self._env = lmdb.open(
+                str(path),
+                map_size=options.initial_map_size_bytes,
+                subdir=True,
+                max_dbs=max(64, 2 * len(tables) + 2),
+                sync=options.sync,
+                metasync=options.sync,
+                readahead=options.readahead,
+                lock=True,
+            )
+        except lmdb.Error as err:
+            raise _map_error(err, f"cannot open LMDB environment {path}") from err
+        try:
+            self._check_meta(path, seed, tables)
+            self._dbs = {t.name: self._env.open_db(t.name.encode(), create=True) for t in tables}
+        except lmdb.Error as err:
+            self._env.close()
+            raise _map_error(err, f"cannot open the tables of {path}") from err
+        except StoreError:
+            self._env.close()
+            raise
+
+    def _check_meta(self, path: Path, seed: int, tables: Sequence[TableSpec]) -> None:
+        meta_db = self._env.open_db(_META_DB, create=True)
+        with self._env.begin(write=True, db=meta_db) as txn:
+            raw = txn.get(_META_KEY)
+            if raw is None:
+                meta: dict = {"format": FORMAT_VERSION, "seed": seed, "tables": {}}
+            else:
+                try:
+                    meta = json.loads(bytes(raw))
+                    known = meta["tables"]
+                    assert isinstance(known, dict)
+                except (ValueError, KeyError, TypeError, AssertionError) as err:
+                    raise StoreCorruptError(f"unreadable store metadata in {path}") from err
+                if meta.get("format") != FORMAT_VERSION:
+                    raise StoreIncompatibleError(
+                        f"store {path} has format {meta.get('format')!r}, not {FORMAT_VERSION}"
+                    )
+                if meta.get("seed") != seed:
+                    raise StoreIncompatibleError(
+                        f"store {path} was written with seed {meta.get('seed')!r}, not {seed}"
+                    )
+            for spec in tables:
+                want = _table_meta(spec)
+                have = meta["tables"].get(spec.name)
+                if have is not None and have != want:
+                    raise StoreIncompatibleError(
+                        f"table {spec.name!r} in {path} is {have}, the spec asks for {want}"
+                    )
+                meta["tables"][spec.name] = want
+            txn.put(_META_KEY, json.dumps(meta, sort_keys=True).encode())
+
+    # ----------------------------------------------------------------------------------------- reads
+    def get_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Read rows of (N,) sorted unique ids.
+
+        Returns:
+            found: (N,) bool, True where the row exists.
+            rows: (F, R) float32 rows of the found ids, in id order.
+        """
+        row_bytes = self._row_bytes[table]
+        found = np.zeros(ids.shape[0], dtype=bool)
+        if ids.shape[0] == 0:
+            return found, np.empty((0, row_bytes // 4), dtype=np.float32)
+        keys = encode_keys(ids)
+        try:
+            with self._rw.shared(), self._env.begin(db=self._dbs[table], buffers=True) as txn:
+                pairs = txn.cursor().getmulti(keys)
+                key_buf = b"".join([k for k, _ in pairs])
+                val_buf = b"".join([v for _, v in pairs])
+        except lmdb.Error as err:
+            raise _map_error(err, f"read of table {table!r} failed") from err
+        if len(val_buf) != len(pairs) * row_bytes:
+            raise StoreCorruptError(f"table {table!r}: rows of unexpected size (want {row_bytes} bytes each)")
+        found_ids = np.frombuffer(key_buf, dtype=">u8").astype(np.int64)  # (F,)
+        found[np.searchsorted(ids, found_ids)] = True
+        return found, np.frombuffer(val_buf, dtype=np.float32).reshape(len(pairs), row_bytes // 4)
+
+    def scan(self, table: str, *, after: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``limit`` rows with id > ``after`` in ascending id order: ((n,) ids, (n, R) rows)."""
+        row_bytes = self._row_bytes[table]
+        keys: list[bytes] = []
+        vals: list[bytes] = []
+        try:
+            with self._rw.shared(), self._env.begin(db=self._dbs[table]) as txn:
+                cursor = txn.cursor()
+                start = encode_keys(np.array([after + 1], dtype=np.int64))[0] if after >= 0 else b""
+                if cursor.set_range(start):
+                    for key, val in cursor:
+                        keys.append(key)
+                        vals.append(val)
+                        if len(keys) >= limit:
+                            break
+        except lmdb.Error as err:
+            raise _map_error(err, f"scan of table {table!r} failed") from err
+        val_buf = b"".join(vals)
+        if len(val_buf) != len(vals) * row_bytes:
+            raise StoreCorruptError(f"table {table!r}: rows of unexpected size (want {row_bytes} bytes each)")
+        ids = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.int64)
+        return ids, np.frombuffer(val_buf, dtype=np.float32).reshape(len(vals), row_bytes // 4)
+
+    def num_rows(self, table: str) -> int:
+        """Rows stored for ``table``."""
+        with self._rw.shared(), self._env.begin() as txn:
+            return int(txn.stat(self._dbs[table])["entries"])
+
+    # ---------------------------------------------------------------------------------------- writes
+    def put_rows(self, writes: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> None:
+        """Write ``(table, (N,) sorted unique ids, (N, R) float32 rows)`` groups in ONE transaction.
+
+        Raises:
+            StoreFullError: the map hit its cap or the disk is full; nothing of ``writes`` was applied.
+        """
+        items = []
+        for table, ids, rows in writes:
+            row_bytes = self._row_bytes[table]
+            buf = memoryview(np.ascontiguousarray(rows, dtype=np.float32).tobytes())
+            values = [buf[i : i + row_bytes] for i in range(0, len(buf), row_bytes)]
+            items.append((self._dbs[table], list(zip(encode_keys(ids), values, strict=True))))
+        while True:
+            try:
+                with self._rw.shared(), self._env.begin(write=True) as txn:
+                    for db, pairs in items:
+                        txn.cursor(db=db).putmulti(pairs)
+                return
+            except lmdb.MapFullError as err:
+                self._grow(err)
+            except lmdb.Error as err:
+                raise _map_error(err, "write transaction failed") from err
+            except OSError as err:
+                if err.errno == errno.ENOSPC:
+                    raise StoreFullError(f"disk full: {err}") from err
+                raise StoreError(f"write transaction failed: {err}") from err
+
+    def _grow(self, cause: lmdb.Error) -> None:
+        with self._rw.exclusive():
+            current = int(self._env.info()["map_size"])
+            cap = self._options.max_map_size_bytes
+            if cap is not None and current >= cap:
+                raise StoreFullError(f"LMDB map is full at its cap of {cap} bytes") from cause
+            new = 2 * current if cap is None else min(2 * current, cap)
+            try:
+                self._env.set_mapsize(new)
+            except lmdb.Error as err:
+                raise _map_error(err, f"cannot grow the LMDB map to {new} bytes") from err
+
+    def map_size_bytes(self) -> int:
+        """Current LMDB map size."""
+        return int(self._env.info()["map_size"])
+
+    def sync(self) -> None:
+        """Force committed transactions to disk."""
+        try:
+            self._env.sync(True)
+        except lmdb.Error as err:
+            raise _map_error(err, "sync failed") from err
+
+    def copy_to(self, dest: Path) -> None:
+        """Write a compacted, consistent copy of the environment into the empty directory ``dest``."""
+        try:
+            with self._rw.shared():
+                self._env.copy(str(dest), compact=True)
+        except lmdb.Error as err:
+            raise _map_error(err, f"snapshot to {dest} failed") from err
+
+    def close(self) -> None:
+        """Close the environment (idempotent)."""
+        self._env.close()

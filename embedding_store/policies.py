@@ -1,0 +1,120 @@
+"""Eviction policies: small objects over position indices, free of I/O.
+
+A tier owns ``capacity`` positions (device slots or host arena rows). The base class keeps the
+accounting every policy needs (the batch tick of the last use and the number of batches that used each
+position); a policy only says which of the candidate positions goes first. All operations are
+vectorised over arrays of positions; duplicates in a ``touch`` count once (one use per batch).
+
+Contract (tests/embedding_store/test_policies.py runs it against every policy): ``victims(n, ...)``
+returns ``n`` distinct members of ``candidates``, deterministically, and raises ValueError when
+``n > len(candidates)``; pinned positions are simply never passed as candidates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embedding_store.config import PolicyKind
+
+__all__ = ["EvictionPolicy", "LfuPolicy", "LookaheadPolicy", "LruPolicy", "make_policy"]
+
+_TICK_BITS = 40  # 1e12 batches; the rest of an int64 sort key holds the policy's primary key
+
+
+class EvictionPolicy:
+    """Base accounting; subclasses override :meth:`_sort_key` only."""
+
+    kind: PolicyKind = PolicyKind.LRU
+    needs_future: bool = False  # whether victims() uses the ``future`` mask
+
+    def __init__(self, capacity: int) -> None:
+        self._tick = 0
+        self.last_use = np.zeros(capacity, dtype=np.int64)  # (capacity,) tick of the last batch
+        self.use_count = np.zeros(capacity, dtype=np.int64)  # (capacity,) batches that used it
+
+    def touch(self, positions: np.ndarray) -> None:
+        """Record one batch's use of (N,) positions (duplicates allowed)."""
+        self._tick += 1
+        self.last_use[positions] = self._tick
+        self.use_count[positions] += 1
+
+    def insert(self, positions: np.ndarray) -> None:
+        """(N,) positions now hold new rows: reset their history to "just used once"."""
+        self._tick += 1
+        self.last_use[positions] = self._tick
+        self.use_count[positions] = 1
+
+    def remove(self, positions: np.ndarray) -> None:
+        """(N,) positions were emptied."""
+        self.last_use[positions] = 0
+        self.use_count[positions] = 0
+
+    def _sort_key(self, candidates: np.ndarray, future: np.ndarray | None) -> np.ndarray:
+        return self.last_use[candidates]
+
+    def victims(self, n: int, candidates: np.ndarray, future: np.ndarray | None = None) -> np.ndarray:
+        """Choose ``n`` positions to evict.
+
+        Args:
+            n: how many.
+            candidates: (K,) int64 distinct evictable positions (occupied and unpinned).
+            future: (K,) bool, True where an announced upcoming batch uses the candidate's row;
+                only LOOKAHEAD reads it.
+
+        Returns:
+            (n,) int64 distinct positions taken from ``candidates``.
+        """
+        if n > candidates.shape[0]:
+            raise ValueError(f"cannot evict {n} positions out of {candidates.shape[0]} candidates")
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        key = self._sort_key(candidates, future)  # (K,) smaller goes first
+        if n == candidates.shape[0]:
+            return candidates.copy()
+        # A composite key with the position as tie-breaker makes the choice deterministic.
+        order = np.lexsort((candidates, key)) if candidates.shape[0] <= 4096 else None
+        if order is not None:
+            return candidates[order[:n]]
+        part = np.argpartition(key, n - 1)[:n]
+        return candidates[part]
+
+
+class LruPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    kind = PolicyKind.LRU
+
+
+class LfuPolicy(EvictionPolicy):
+    """Fewest using batches first, least recently used among equals."""
+
+    kind = PolicyKind.LFU
+
+    def _sort_key(self, candidates: np.ndarray, future: np.ndarray | None) -> np.ndarray:
+        count = np.minimum(self.use_count[candidates], (1 << (62 - _TICK_BITS)) - 1)
+        return (count << _TICK_BITS) | self.last_use[candidates]
+
+
+class LookaheadPolicy(EvictionPolicy):
+    """Window-limited Belady: rows none of the next L announced batches uses first, LRU among them."""
+
+    kind = PolicyKind.LOOKAHEAD
+    needs_future = True
+
+    def _sort_key(self, candidates: np.ndarray, future: np.ndarray | None) -> np.ndarray:
+        key = self.last_use[candidates]
+        if future is None:
+            return key
+        return key | (future.astype(np.int64) << 62)
+
+
+_POLICIES: dict[PolicyKind, type[EvictionPolicy]] = {
+    PolicyKind.LRU: LruPolicy,
+    PolicyKind.LFU: LfuPolicy,
+    PolicyKind.LOOKAHEAD: LookaheadPolicy,
+}
+
+
+def make_policy(kind: PolicyKind, capacity: int) -> EvictionPolicy:
+    """A fresh policy of ``kind`` over ``capacity`` positions."""
+    return _POLICIES[kind](capacity)

@@ -1,0 +1,393 @@
+"""The tiered store: the batch-level API the training pipeline drives.
+
+Threading contract: every public method may be called from any thread. Calls are serialised by one
+re-entrant store lock, except that :meth:`TieredStore.prefetch` releases it during its LMDB read, so a
+prefetch for batch i+2 overlaps ``make_resident``/``release`` of batches i and i+1. A background writer
+thread commits evicted rows; it never takes the store lock, and its failure is raised by the next call.
+The bound slot-table tensors are read and written only inside ``make_resident`` (victims and fills,
+never a pinned slot), ``flush``, ``snapshot``, ``read_rows`` and ``iter_rows``; run the last four
+between steps, when no backward is updating the slot table.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import TracebackType
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from embedding_store.config import MAX_ID, PolicyKind, StoreConfig, TableSpec, Tier
+from embedding_store.errors import StoreClosedError, StoreError
+from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.lockfile import DirectoryLock
+from embedding_store.stats import StoreStats
+from embedding_store.tiered_table import PrefetchPlan, TieredTable
+from embedding_store.writer import WriteBehind
+
+__all__ = ["RowChunk", "TieredStore", "restore_snapshot"]
+
+_MAX_IN_FLIGHT = 64  # one pin bit per in-flight batch
+IdsLike = torch.Tensor | np.ndarray
+
+
+class RowChunk(NamedTuple):
+    """Rows of one table in ascending id order.
+
+    Attributes:
+        ids: (n,) int64.
+        weights: (n, D) float32.
+        state: optimizer state, (n,) for EXACT_ROWWISE_ADAGRAD, (n, D) for EXACT_ADAGRAD, None for EXACT_SGD.
+    """
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    state: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class _InFlight:
+    bit: int
+    slots: dict[str, np.ndarray]  # table -> (N,) slots pinned by the batch
+
+
+def _as_ids(ids: IdsLike) -> np.ndarray:
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"ids must be an integer tensor, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
+
+
+class TieredStore:
+    """Embedding rows of several tables on three tiers: device slots, host DRAM, LMDB.
+
+    Args:
+        path: the store directory of this rank shard (created if missing). Holds the LMDB environment and
+            ``tierrec.lock``, which one process at a time may hold.
+        config: seed, capacities, policy, LMDB options.
+        tables: the tiered tables of this shard.
+
+    Raises:
+        StoreLockedError: another process (or handle) has the store open.
+        StoreIncompatibleError: the directory holds a store of other tables or another seed.
+
+    Example:
+        >>> cfg = StoreConfig(seed=0, device_capacity_rows=1024, host_capacity_rows=4096)
+        >>> spec = TableSpec(name="t0", dim=16, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)
+        >>> with TieredStore("/tmp/store", config=cfg, tables=[spec]) as store:
+        ...     store.bind("t0", weights=torch.empty(1024, 16), state=torch.empty(1024))
+        ...     store.lookahead(0, {"t0": ids})
+        ...     store.prefetch(0)
+        ...     slots = store.make_resident(0, {"t0": ids})["t0"]  # same shape as ids
+        ...     ...  # lookup/backward on the slot table with `slots`
+        ...     store.release(0)
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, config: StoreConfig, tables: Sequence[TableSpec]
+    ) -> None:
+        names = [t.name for t in tables]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"tables must be a non-empty list of distinct names, got {names}")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self._dir_lock = DirectoryLock(self.path)
+        try:
+            self._backend = LmdbBackend(self.path, options=config.lmdb, seed=config.seed, tables=tables)
+        except BaseException:
+            self._dir_lock.release()
+            raise
+        self._writer = WriteBehind(
+            self._backend,
+            batch_rows=config.lmdb.writer_batch_rows,
+            max_pending_rows=config.lmdb.writer_max_pending_rows,
+        )
+        self._tables = {t.name: TieredTable(t, config, self._backend, self._writer) for t in tables}
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._unlocked_reads = 0
+        self._announced: dict[int, dict[str, np.ndarray]] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self._closed = False
+
+    # --------------------------------------------------------------------------------- plumbing
+    @property
+    def tables(self) -> dict[str, TableSpec]:
+        """The tables by name."""
+        return {name: t.spec for name, t in self._tables.items()}
+
+    def _check(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.path} is closed")
+        self._writer.check()
+
+    def _table(self, name: str) -> TieredTable:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise ValueError(f"unknown table {name!r}; tables are {sorted(self._tables)}") from None
+
+    def _future_ids(self, name: str, batch_id: int) -> np.ndarray | None:
+        """Ids of ``name`` used by the batch and the next L announced batches (LOOKAHEAD only)."""
+        if self.config.policy is not PolicyKind.LOOKAHEAD or not self._announced:
+            return None
+        window = sorted(b for b in self._announced if b >= batch_id)[: self.config.lookahead_batches + 1]
+        parts = [self._announced[b][name] for b in window if name in self._announced[b]]
+        return np.unique(np.concatenate(parts)) if parts else None
+
+    # ------------------------------------------------------------------------------- batch API
+    def bind(self, table: str, *, weights: torch.Tensor, state: torch.Tensor | None = None) -> None:
+        """Bind ``table``'s device tier to the slot table's live tensors (written in place).
+
+        Args:
+            table: table name.
+            weights: (S, D) float32 slot-table weights, S = the table's device capacity; e.g. FBGEMM's
+                ``split_embedding_weights()[t]``. Its current contents are ignored.
+            state: optimizer state aliasing the slot table's: (S,) or (S, 1) for EXACT_ROWWISE_ADAGRAD,
+                (S, D) for EXACT_ADAGRAD, None for EXACT_SGD; e.g. ``split_optimizer_states()[t][0]``.
+        """
+        with self._lock:
+            self._check()
+            self._table(table).bind(weights, state)
+
+    def lookahead(self, batch_id: int, ids_per_table: Mapping[str, IdsLike]) -> None:
+        """Announce a future batch's ids: LOOKAHEAD protects them, ``prefetch(batch_id)`` reads them."""
+        with self._lock:
+            self._check()
+            announced = {}
+            for name, ids in ids_per_table.items():
+                table = self._table(name)
+                arr = _as_ids(ids)
+                table.check_ids(arr)
+                announced[name] = np.unique(arr)
+            self._announced[batch_id] = announced
+
+    def prefetch(self, batch_id: int) -> None:
+        """Read an announced batch's rows that are on no tier above LMDB into the host arena.
+
+        The LMDB read runs without the store lock. Rows that another call moves meanwhile are not
+        overwritten (the newer copy wins).
+        """
+        with self._lock:
+            self._check()
+            if batch_id not in self._announced:
+                raise ValueError(f"batch {batch_id} was not announced with lookahead()")
+            plans: dict[str, PrefetchPlan] = {}
+            for name, ids in self._announced[batch_id].items():
+                plans[name] = self._tables[name].plan_prefetch(ids, self._future_ids(name, batch_id))
+            self._unlocked_reads += 1
+        reads: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        try:
+            for name, plan in plans.items():
+                reads[name] = self._tables[name].read_plan(plan)
+        finally:
+            with self._lock:
+                self._unlocked_reads -= 1
+                self._idle.notify_all()
+                for name, plan in plans.items():
+                    if not self._closed:
+                        self._tables[name].finish_prefetch(
+                            plan, reads.get(name), self._future_ids(name, batch_id)
+                        )
+
+    def make_resident(self, batch_id: int, ids_per_table: Mapping[str, IdsLike]) -> dict[str, torch.Tensor]:
+        """Bring a batch's rows into their slots, pin them until ``release(batch_id)``, map ids to slots.
+
+        Victims (unpinned slots chosen by the policy) are written back to the host tier first.
+
+        Args:
+            batch_id: the batch; unique among batches in flight (at most 64 in flight).
+            ids_per_table: raw ids per table, any shape, duplicates allowed.
+
+        Returns:
+            slots per table: int64 tensors of the same shapes as the ids.
+
+        Raises:
+            StoreCapacityError: the batch's distinct ids exceed the free and unpinned slots.
+            IdOutOfRangeError: a negative id, or one outside a bounded table.
+        """
+        with self._lock:
+            self._check()
+            if batch_id in self._in_flight:
+                raise ValueError(f"batch {batch_id} is already resident; release() it first")
+            used = {f.bit for f in self._in_flight.values()}
+            free_bits = [b for b in range(_MAX_IN_FLIGHT) if b not in used]
+            if not free_bits:
+                raise StoreError(f"more than {_MAX_IN_FLIGHT} batches in flight")
+            record = _InFlight(bit=free_bits[0], slots={})
+            out: dict[str, torch.Tensor] = {}
+            try:
+                for name, ids in ids_per_table.items():
+                    table = self._table(name)
+                    arr = _as_ids(ids)
+                    table.check_ids(arr)
+                    slots = table.make_resident(arr, record.bit, self._future_ids(name, batch_id))
+                    record.slots[name] = slots
+                    out[name] = torch.from_numpy(slots.copy()).view(tuple(ids.shape))  # caller may edit it
+            except BaseException:
+                for name, slots in record.slots.items():
+                    self._tables[name].release(slots, record.bit)
+                raise
+            self._in_flight[batch_id] = record
+            return out
+
+    def release(self, batch_id: int) -> None:
+        """Unpin a batch's slots after its backward has updated them; forget its announcement."""
+        with self._lock:
+            self._check()
+            record = self._in_flight.pop(batch_id, None)
+            if record is None:
+                raise ValueError(f"batch {batch_id} is not resident")
+            for name, slots in record.slots.items():
+                self._tables[name].release(slots, record.bit)
+            self._announced.pop(batch_id, None)
+
+    # ---------------------------------------------------------------------------- read-through
+    def read_rows(self, table: str, ids: IdsLike) -> RowChunk:
+        """Latest rows of arbitrary ids (never-seen ids read as their lazy init); changes nothing.
+
+        Returns:
+            a RowChunk in the order of ``ids`` (flattened).
+        """
+        with self._lock:
+            self._check()
+            t = self._table(table)
+            arr = _as_ids(ids)
+            t.check_ids(arr)
+            uniq, inverse = np.unique(arr, return_inverse=True)
+            rows = t.read_latest(uniq)[inverse]
+            return _chunk(t.spec, arr, rows)
+
+    def iter_rows(self, table: str, *, chunk_rows: int = 1 << 16) -> Iterator[RowChunk]:
+        """Stream every row that exists on any tier of ``table``, ascending ids, at most ``chunk_rows``
+        ids per chunk, each with its latest value. Memory is bounded by the chunk plus the ids held
+        above LMDB. Rows first created while the iteration runs may or may not appear.
+        """
+        if chunk_rows <= 0:
+            raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+        t = self._table(table)
+        with self._lock:
+            self._check()
+            upper = t.upper_ids()  # (U,) sorted
+        last, u_pos = -1, 0
+        while True:
+            with self._lock:
+                self._check()
+                disk_ids, disk_rows = self._backend.scan(table, after=last, limit=chunk_rows)
+                disk_done = disk_ids.shape[0] < chunk_rows
+                high = MAX_ID if disk_done else int(disk_ids[-1])
+                u_end = int(np.searchsorted(upper, high, side="right"))
+                if u_end - u_pos > chunk_rows:
+                    u_end = u_pos + chunk_rows
+                    high = int(upper[u_end - 1])
+                    cut = int(np.searchsorted(disk_ids, high, side="right"))
+                    disk_done = False
+                    disk_ids, disk_rows = disk_ids[:cut], disk_rows[:cut]
+                up = upper[u_pos:u_end]
+                ids = np.union1d(disk_ids, up)
+                rows = np.empty((ids.shape[0], t.spec.row_floats), dtype=np.float32)
+                rows[np.searchsorted(ids, disk_ids)] = disk_rows
+                if up.shape[0]:
+                    rows[np.searchsorted(ids, up)] = t.read_latest(up)
+            if ids.shape[0]:
+                yield _chunk(t.spec, ids, rows)
+            if disk_done and u_end == upper.shape[0]:
+                return
+            last, u_pos = high, u_end
+
+    # -------------------------------------------------------------------------------- lifetime
+    def flush(self) -> None:
+        """Write every row held above LMDB (device rows included) to LMDB and sync it to disk."""
+        with self._lock:
+            self._check()
+            for t in self._tables.values():
+                t.flush_to_writer(self.config.lmdb.writer_batch_rows, self._writer.check)
+            self._writer.drain()
+            self._backend.sync()
+
+    def snapshot(self, dest: str | os.PathLike[str]) -> None:
+        """Flush, then write a compacted copy of the store into the new directory ``dest``.
+
+        Open it with ``restore_snapshot(dest, path)`` followed by ``TieredStore(path, ...)``.
+        """
+        dest = Path(dest)
+        with self._lock:
+            self.flush()
+            dest.mkdir(parents=True, exist_ok=False)
+            self._backend.copy_to(dest)
+
+    def stats(self) -> StoreStats:
+        """A copy of the counters, per table and tier."""
+        with self._lock:
+            out = StoreStats(
+                writer_pending_rows=self._writer.pending_rows,
+                writer_commits=self._writer.commits,
+                writer_seconds=self._writer.seconds,
+                map_size_bytes=0 if self._closed else self._backend.map_size_bytes(),
+            )
+            for name, t in self._tables.items():
+                out.tables[name] = {tier: replace(s) for tier, s in t.stats.items()}
+                out.resident_rows[name] = {
+                    Tier.DEVICE: 0 if t.device is None else len(t.device),
+                    Tier.HOST: len(t.host),
+                    Tier.SSD: 0 if self._closed else self._backend.num_rows(name),
+                }
+                out.tables[name][Tier.SSD].seconds += self._writer.seconds / len(self._tables)
+            return out
+
+    def close(self, *, flush: bool = True) -> None:
+        """Flush (unless ``flush=False``: then rows held above LMDB are dropped), stop the writer,
+        close LMDB and release the lock. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._idle.wait_for(lambda: self._unlocked_reads == 0)
+            try:
+                if flush:
+                    self.flush()
+            finally:
+                self._closed = True
+                try:
+                    self._writer.close()
+                finally:
+                    self._backend.close()
+                    self._dir_lock.release()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(flush=exc_type is None)
+
+
+def _chunk(spec: TableSpec, ids: np.ndarray, rows: np.ndarray) -> RowChunk:
+    rows_t = torch.from_numpy(np.ascontiguousarray(rows))  # (n, R)
+    weights = rows_t[:, : spec.dim]  # (n, D)
+    state: torch.Tensor | None = None
+    if spec.state_floats == 1:
+        state = rows_t[:, spec.dim]  # (n,)
+    elif spec.state_floats:
+        state = rows_t[:, spec.dim :]  # (n, D)
+    return RowChunk(torch.from_numpy(np.ascontiguousarray(ids)), weights, state)
+
+
+def restore_snapshot(snapshot: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Copy a snapshot written by ``TieredStore.snapshot`` into ``path``, which must hold no store."""
+    src, dst = Path(snapshot), Path(path)
+    if not (src / "data.mdb").is_file():
+        raise StoreError(f"{src} is not a store snapshot (no data.mdb)")
+    if (dst / "data.mdb").exists():
+        raise StoreError(f"{dst} already holds a store; restore into an empty directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src / "data.mdb", dst / "data.mdb")

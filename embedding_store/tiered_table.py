@@ -1,0 +1,288 @@
+"""One tiered table: moves rows between the device slots, the host arena, the writer and LMDB.
+
+Tiers are exclusive: a row moving up is *taken* from the host arena, and a row evicted from the device
+goes down to the host arena (always dirty: the trainer may have updated it in place), whose dirty
+victims go to the background writer, whose commits reach LMDB. Reads look top-down — device, host,
+writer (pending), LMDB — and fall back to the lazy initialisation, so the first tier that holds a row
+holds its latest value (DESIGN invariant 1). Calls are serialised by the store's lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from embedding_store.config import StoreConfig, TableSpec, Tier
+from embedding_store.errors import IdOutOfRangeError, StoreCapacityError, StoreError
+from embedding_store.init import init_rows
+from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.stats import TierStats
+from embedding_store.tiers import DeviceTier, HostTier
+from embedding_store.writer import WriteBehind
+
+__all__ = ["PrefetchPlan", "TieredTable"]
+
+
+@dataclass(slots=True)
+class PrefetchPlan:
+    """Ids one prefetch reads from LMDB without the store lock, and the ids moved down meanwhile."""
+
+    ids: np.ndarray  # (M,) sorted unique
+    moved_down: list[np.ndarray] = field(default_factory=list)
+
+
+class TieredTable:
+    """Rows of one table across the tiers.
+
+    Args:
+        spec: the table.
+        config: the store's configuration (seed, capacities, policy).
+        backend: the LMDB backend (reads).
+        writer: the background writer (writes and pending reads).
+    """
+
+    def __init__(
+        self, spec: TableSpec, config: StoreConfig, backend: LmdbBackend, writer: WriteBehind
+    ) -> None:
+        self.spec = spec
+        self._config = config
+        self._backend = backend
+        self._writer = writer
+        self.host = HostTier(spec, config.host_rows(spec), config.policy)
+        self.device: DeviceTier | None = None
+        self.stats = {tier: TierStats() for tier in Tier}
+        self._plans: list[PrefetchPlan] = []  # prefetches whose LMDB read runs unlocked
+
+    # ------------------------------------------------------------------------------------- helpers
+    def bind(self, weights: torch.Tensor, state: torch.Tensor | None) -> None:
+        """Bind the device tier to the slot table's tensors (see ``TieredStore.bind``)."""
+        if self.device is not None:
+            raise ValueError(f"table {self.spec.name!r} is already bound to a slot table")
+        want = self._config.device_rows(self.spec)
+        if weights.shape[0] != want:
+            raise ValueError(
+                f"slot table of {self.spec.name!r} has {weights.shape[0]} rows, config says {want}"
+            )
+        self.device = DeviceTier(self.spec, weights, state, self._config.policy)
+
+    def _bound(self) -> DeviceTier:
+        if self.device is None:
+            raise StoreError(f"table {self.spec.name!r} has no slot table bound; call bind() first")
+        return self.device
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        """Raise IdOutOfRangeError for negative ids or ids outside a bounded table."""
+        if ids.shape[0] == 0:
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0:
+            raise IdOutOfRangeError(f"table {self.spec.name!r}: negative id {low}")
+        if self.spec.num_embeddings is not None and high >= self.spec.num_embeddings:
+            raise IdOutOfRangeError(
+                f"table {self.spec.name!r}: id {high} >= num_embeddings {self.spec.num_embeddings}"
+            )
+
+    def _init(self, ids: np.ndarray) -> np.ndarray:
+        """(N,) never-seen ids -> (N, R) initial rows: init weights, zero optimizer state."""
+        spec = self.spec
+        weights = init_rows(ids, dim=spec.dim, seed=self._config.seed, table=spec.name, scale=spec.init_scale)
+        if spec.state_floats == 0:
+            return weights.numpy()
+        rows = np.zeros((ids.shape[0], spec.row_floats), dtype=np.float32)
+        rows[:, : spec.dim] = weights.numpy()
+        return rows
+
+    def _read_below_host(self, ids: np.ndarray, rows: np.ndarray, todo: np.ndarray, count: bool) -> None:
+        """Fill ``rows[todo]`` for sorted ``ids[todo]`` from the writer, LMDB, then the lazy init."""
+        ssd = self.stats[Tier.SSD]
+        sub = ids[todo]
+        found, pending = self._writer.lookup(self.spec.name, sub)
+        idx = np.flatnonzero(todo)
+        if found.any():
+            rows[idx[found]] = pending
+        rest = idx[~found]
+        start = time.perf_counter()
+        on_disk, disk_rows = self._backend.get_rows(self.spec.name, ids[rest])
+        rows[rest[on_disk]] = disk_rows
+        fresh = rest[~on_disk]
+        rows[fresh] = self._init(ids[fresh])
+        if count:
+            ssd.seconds += time.perf_counter() - start
+            ssd.hits += int(found.sum()) + disk_rows.shape[0]
+            ssd.misses += fresh.shape[0]
+            ssd.add_out(int(found.sum()) + disk_rows.shape[0], self.spec.row_bytes)
+
+    def _spill(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Hand dirty rows to the writer, sorted by id."""
+        if ids.shape[0] == 0:
+            return
+        order = np.argsort(ids, kind="stable")
+        self._writer.submit(self.spec.name, ids[order], np.ascontiguousarray(rows[order]))
+        self.stats[Tier.SSD].add_in(ids.shape[0], self.spec.row_bytes)
+
+    def _put_host(
+        self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future_ids: np.ndarray | None
+    ) -> None:
+        host = self.stats[Tier.HOST]
+        spill_ids, spill_rows, evicted = self.host.put(ids, rows, dirty=dirty, future_ids=future_ids)
+        host.evictions += evicted
+        host.add_in(min(ids.shape[0], self.host.capacity), self.spec.row_bytes)
+        self._spill(spill_ids, spill_rows)
+
+    # ------------------------------------------------------------------------------- batch path
+    def make_resident(self, ids: np.ndarray, bit: int, future_ids: np.ndarray | None) -> np.ndarray:
+        """Make (N,) ids resident in the device tier and pin them with ``bit``; returns (N,) slots."""
+        device = self._bound()
+        stats = self.stats[Tier.DEVICE]
+        start = time.perf_counter()
+        slots = device.lookup(ids)  # (N,)
+        miss = slots < 0
+        hits = slots[~miss]
+        device.pin(hits, bit)  # before evicting, so this batch's own rows stay
+        stats.hits += hits.shape[0]
+        if not miss.any():
+            device.policy.touch(slots)
+            stats.seconds += time.perf_counter() - start
+            return slots
+        miss_ids, inverse = np.unique(ids[miss], return_inverse=True)  # (M,), (#miss,)
+        need = miss_ids.shape[0] - device.num_free
+        candidates = device.evictable() if need > 0 else np.empty(0, dtype=np.int64)
+        if need > candidates.shape[0]:
+            device.unpin(hits, bit)
+            raise StoreCapacityError(
+                f"table {self.spec.name!r}: batch needs {miss_ids.shape[0]} new slots, only "
+                f"{device.num_free + candidates.shape[0]} free or evictable of {device.capacity}"
+            )
+        rows = self._fetch_up(miss_ids, future_ids)  # (M, R)
+        if need > 0:
+            victims = device.policy.victims(need, candidates, device.future_mask(candidates, future_ids))
+            victim_ids = device.ids[victims]
+            victim_rows = device.read(victims)
+            device.deallocate(victims)
+            for plan in self._plans:
+                plan.moved_down.append(victim_ids)
+            stats.evictions += need
+            stats.add_out(need, self.spec.row_bytes)
+            self._put_host(victim_ids, victim_rows, dirty=True, future_ids=future_ids)
+        new_slots = device.allocate(miss_ids)
+        device.write(new_slots, rows)
+        stats.add_in(miss_ids.shape[0], self.spec.row_bytes)
+        stats.misses += int(miss.sum())
+        slots[miss] = new_slots[inverse]
+        device.pin(new_slots, bit)
+        device.policy.touch(slots)
+        stats.seconds += time.perf_counter() - start
+        return slots
+
+    def _fetch_up(self, ids: np.ndarray, future_ids: np.ndarray | None) -> np.ndarray:
+        """(M,) sorted unique ids absent from the device -> (M, R) latest rows, taken out of the host."""
+        host = self.stats[Tier.HOST]
+        rows = np.empty((ids.shape[0], self.spec.row_floats), dtype=np.float32)
+        pos = self.host.lookup(ids)
+        in_host = pos >= 0
+        n_host = int(in_host.sum())
+        if n_host:
+            rows[in_host] = self.host.take(pos[in_host])
+            host.add_out(n_host, self.spec.row_bytes)
+        host.hits += n_host
+        host.misses += ids.shape[0] - n_host
+        if n_host < ids.shape[0]:
+            self._read_below_host(ids, rows, ~in_host, count=True)
+        return rows
+
+    def release(self, slots: np.ndarray, bit: int) -> None:
+        """Clear pin ``bit`` on a batch's slots."""
+        self._bound().unpin(slots, bit)
+
+    # --------------------------------------------------------------------------------- prefetch
+    def plan_prefetch(self, ids: np.ndarray, future_ids: np.ndarray | None) -> PrefetchPlan:
+        """Step 1 (locked): pending rows go to the host now; returns the ids left for an LMDB read."""
+        absent = self.host.lookup(ids) < 0
+        if self.device is not None:
+            absent &= self.device.lookup(ids) < 0
+        todo = ids[absent]
+        found, pending = self._writer.lookup(self.spec.name, todo)
+        if found.any():
+            self._put_host(todo[found], pending, dirty=False, future_ids=future_ids)
+            self.stats[Tier.SSD].hits += int(found.sum())
+        plan = PrefetchPlan(ids=todo[~found])
+        self._plans.append(plan)
+        return plan
+
+    def finish_prefetch(
+        self, plan: PrefetchPlan, read: tuple[np.ndarray, np.ndarray] | None, future_ids: np.ndarray | None
+    ) -> None:
+        """Step 3 (locked): put the rows read in step 2 into the host, unless a newer copy appeared."""
+        self._plans.remove(plan)
+        if read is None or plan.ids.shape[0] == 0:
+            return
+        on_disk, disk_rows = read
+        rows = np.empty((plan.ids.shape[0], self.spec.row_floats), dtype=np.float32)
+        rows[on_disk] = disk_rows
+        fresh = ~on_disk
+        rows[fresh] = self._init(plan.ids[fresh])
+        # Drop rows that another call brought up meanwhile, or that went down (their LMDB copy we
+        # read may be older than what the writer now holds).
+        keep = self.host.lookup(plan.ids) < 0
+        if self.device is not None:
+            keep &= self.device.lookup(plan.ids) < 0
+        if plan.moved_down:
+            keep &= ~np.isin(plan.ids, np.concatenate(plan.moved_down))
+        ssd = self.stats[Tier.SSD]
+        ssd.hits += int(on_disk.sum())
+        ssd.misses += int(fresh.sum())
+        ssd.add_out(int(on_disk.sum()), self.spec.row_bytes)
+        self._put_host(plan.ids[keep], rows[keep], dirty=False, future_ids=future_ids)
+
+    def read_plan(self, plan: PrefetchPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Step 2 (unlocked): the LMDB read of a plan."""
+        start = time.perf_counter()
+        result = self._backend.get_rows(self.spec.name, plan.ids)
+        self.stats[Tier.SSD].seconds += time.perf_counter() - start
+        return result
+
+    # ------------------------------------------------------------------------------ read-through
+    def read_latest(self, ids: np.ndarray) -> np.ndarray:
+        """(N,) sorted unique ids -> (N, R) latest rows from the highest tier holding each; no side effects."""
+        rows = np.empty((ids.shape[0], self.spec.row_floats), dtype=np.float32)
+        todo = np.ones(ids.shape[0], dtype=bool)
+        if self.device is not None:
+            slots = self.device.lookup(ids)
+            hit = slots >= 0
+            if hit.any():
+                rows[hit] = self.device.read(slots[hit])
+            todo &= ~hit
+        pos = self.host.lookup(ids)
+        hit = todo & (pos >= 0)
+        if hit.any():
+            rows[hit] = self.host.gather(pos[hit])
+        todo &= ~hit
+        if todo.any():
+            self._read_below_host(ids, rows, todo, count=False)
+        return rows
+
+    def upper_ids(self) -> np.ndarray:
+        """Sorted unique ids held above LMDB (device, host, writer queue)."""
+        parts = [self.host.resident_ids(), self._writer.pending_ids(self.spec.name)]
+        if self.device is not None:
+            parts.append(self.device.resident_ids())
+        return np.unique(np.concatenate(parts))
+
+    def flush_to_writer(self, chunk_rows: int, on_chunk: Callable[[], None]) -> None:
+        """Queue every device row and every dirty host row for writing, in chunks (bounded memory)."""
+        if self.device is not None:
+            slots = self.device.occupied()
+            for start in range(0, slots.shape[0], chunk_rows):
+                part = slots[start : start + chunk_rows]
+                self._spill(self.device.ids[part], self.device.read(part))
+                on_chunk()
+        pos = self.host.dirty_positions()
+        for start in range(0, pos.shape[0], chunk_rows):
+            part = pos[start : start + chunk_rows]
+            self._spill(self.host.ids[part], self.host.gather(part))
+            self.host.dirty[part] = False
+            on_chunk()

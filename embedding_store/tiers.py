@@ -1,0 +1,207 @@
+"""The two cache tiers above LMDB: the host arena and the device slot table.
+
+Both are free of I/O and of locking (the store serialises calls); they keep an id map, a position -> id
+array, a free-position stack and an eviction policy, and move packed float32 rows (see ``config``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from embedding_store.config import PolicyKind, TableSpec
+from embedding_store.index import make_id_map
+from embedding_store.memory import empty_host, to_device, to_host
+from embedding_store.policies import make_policy
+
+__all__ = ["DeviceTier", "HostTier"]
+
+
+class _Positions:
+    """id map + position owner array + free stack + policy over ``capacity`` positions."""
+
+    def __init__(self, spec: TableSpec, capacity: int, policy: PolicyKind) -> None:
+        self.capacity = capacity
+        self.map = make_id_map(spec.num_embeddings, capacity)
+        self.ids = np.full(capacity, -1, dtype=np.int64)  # (capacity,) id held by each position
+        self.policy = make_policy(policy, capacity)
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack, pops from the end
+        self._num_free = capacity
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def __len__(self) -> int:
+        return self.capacity - self._num_free
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """(N,) ids -> (N,) positions, -1 where absent."""
+        return self.map.lookup(ids)
+
+    def occupied(self) -> np.ndarray:
+        """(K,) positions holding a row."""
+        return np.flatnonzero(self.ids >= 0)
+
+    def resident_ids(self) -> np.ndarray:
+        """(K,) ids held, unordered."""
+        return self.ids[self.ids >= 0]
+
+    def future_mask(self, positions: np.ndarray, future_ids: np.ndarray | None) -> np.ndarray | None:
+        """(K,) True where the row at a position is used by an announced upcoming batch."""
+        if future_ids is None or not self.policy.needs_future:
+            return None
+        mark = np.zeros(self.capacity, dtype=bool)
+        pos = self.map.lookup(future_ids)
+        mark[pos[pos >= 0]] = True
+        return mark[positions]
+
+    def allocate(self, ids: np.ndarray) -> np.ndarray:
+        """Give (N,) absent unique ids free positions; returns (N,) positions."""
+        n = ids.shape[0]
+        assert n <= self._num_free, "allocate beyond free positions"
+        pos = self._free[self._num_free - n : self._num_free].copy()
+        self._num_free -= n
+        self.ids[pos] = ids
+        self.map.insert(ids, pos)
+        self.policy.insert(pos)
+        return pos
+
+    def deallocate(self, pos: np.ndarray) -> None:
+        """Empty (N,) distinct occupied positions."""
+        n = pos.shape[0]
+        self.map.remove(self.ids[pos])
+        self.ids[pos] = -1
+        self.policy.remove(pos)
+        self._free[self._num_free : self._num_free + n] = pos
+        self._num_free += n
+
+
+class HostTier(_Positions):
+    """Host DRAM arena of ``capacity`` packed rows with dirty bits.
+
+    A row here is authoritative unless the device tier holds the same id (the store moves rows up by
+    *taking* them, so the tiers stay exclusive). Clean rows equal their LMDB copy (or the lazy init);
+    dirty rows must be written back when evicted.
+    """
+
+    def __init__(self, spec: TableSpec, capacity: int, policy: PolicyKind) -> None:
+        super().__init__(spec, capacity, policy)
+        self.arena = empty_host(capacity, spec.row_floats)  # (H, R) pinned when CUDA is present
+        self._arena_np = self.arena.numpy()  # (H, R) view
+        self.dirty = np.zeros(capacity, dtype=bool)  # (H,)
+
+    def gather(self, pos: np.ndarray) -> np.ndarray:
+        """(N,) positions -> (N, R) copies of their rows."""
+        return self.arena.index_select(0, torch.from_numpy(pos)).numpy()
+
+    def take(self, pos: np.ndarray) -> np.ndarray:
+        """Remove (N,) distinct positions and return their (N, R) rows."""
+        rows = self.gather(pos)
+        self.dirty[pos] = False
+        self.deallocate(pos)
+        return rows
+
+    def put(
+        self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future_ids: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Insert (N,) absent unique ids with (N, R) rows, evicting as needed.
+
+        Returns:
+            spill_ids (M,), spill_rows (M, R): dirty rows that did not fit or were evicted; the caller
+            must hand them to the writer. Also the number of evicted rows.
+        """
+        spill_ids: list[np.ndarray] = []
+        spill_rows: list[np.ndarray] = []
+        if ids.shape[0] > self.capacity:  # more than the arena holds: the overflow goes straight down
+            if dirty:
+                spill_ids.append(ids[self.capacity :])
+                spill_rows.append(rows[self.capacity :])
+            ids, rows = ids[: self.capacity], rows[: self.capacity]
+        need = ids.shape[0] - self.num_free
+        if need > 0:
+            cand = self.occupied()
+            victims = self.policy.victims(need, cand, self.future_mask(cand, future_ids))
+            victim_ids = self.ids[victims]
+            victim_dirty = self.dirty[victims]
+            victim_rows = self.take(victims)
+            spill_ids.append(victim_ids[victim_dirty])
+            spill_rows.append(victim_rows[victim_dirty])
+        if ids.shape[0]:
+            pos = self.allocate(ids)
+            self._arena_np[pos] = rows
+            self.dirty[pos] = dirty
+        evicted = max(need, 0)
+        if not spill_ids:
+            return np.empty(0, dtype=np.int64), np.empty((0, self.arena.shape[1]), np.float32), evicted
+        return np.concatenate(spill_ids), np.concatenate(spill_rows), evicted
+
+    def dirty_positions(self) -> np.ndarray:
+        """(K,) positions of dirty rows."""
+        return np.flatnonzero(self.dirty)
+
+
+class DeviceTier(_Positions):
+    """Slots of an externally owned slot table: its weights (S, D) and optimizer state, read and written
+    in place (FBGEMM's ``split_embedding_weights()``/``split_optimizer_states()`` alias live storage).
+
+    Each slot carries a 64-bit pin mask, one bit per in-flight batch; a slot with any bit set is never
+    evicted or overwritten. Setting a bit is idempotent, so duplicate ids in a batch need no dedup.
+    """
+
+    def __init__(
+        self, spec: TableSpec, weights: torch.Tensor, state: torch.Tensor | None, policy: PolicyKind
+    ) -> None:
+        if weights.dim() != 2 or weights.shape[1] != spec.dim or weights.dtype != torch.float32:
+            raise ValueError(
+                f"weights of table {spec.name!r} must be (S, {spec.dim}) float32, got "
+                f"{tuple(weights.shape)} {weights.dtype}"
+            )
+        num_slots = weights.shape[0]
+        state_floats = spec.state_floats
+        if state_floats == 0:
+            if state is not None and state.numel() != 0:
+                raise ValueError(
+                    f"table {spec.name!r} ({spec.optimizer.name}) has no optimizer state, got {state.shape}"
+                )
+            state_2d = None
+        else:
+            if state is None or state.numel() != num_slots * state_floats or state.dtype != torch.float32:
+                raise ValueError(
+                    f"optimizer state of table {spec.name!r} must hold {num_slots}x{state_floats} float32, got "
+                    f"{None if state is None else (tuple(state.shape), state.dtype)}"
+                )
+            state_2d = state.view(num_slots, state_floats)  # a view: writes reach the caller's storage
+        super().__init__(spec, num_slots, policy)
+        self.weights = weights  # (S, D)
+        self.state = state_2d  # (S, Z) or None
+        self.dim = spec.dim
+        self.pins = np.zeros(num_slots, dtype=np.uint64)  # (S,) bit b = pinned by in-flight batch b
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        """(N,) slots -> (N, R) packed rows (weights then optimizer state), copied to the host."""
+        index = torch.from_numpy(slots).to(self.weights.device)
+        weights = self.weights.index_select(0, index)  # (N, D)
+        if self.state is not None:
+            weights = torch.cat([weights, self.state.index_select(0, index)], dim=1)  # (N, R)
+        return to_host(weights).numpy()
+
+    def write(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Write (N, R) packed rows into (N,) slots, in place."""
+        index = torch.from_numpy(slots).to(self.weights.device)
+        src = to_device(torch.from_numpy(rows), self.weights.device)  # (N, R)
+        self.weights.index_copy_(0, index, src[:, : self.dim])
+        if self.state is not None:
+            self.state.index_copy_(0, index, src[:, self.dim :])
+
+    def evictable(self) -> np.ndarray:
+        """(K,) occupied, unpinned slots."""
+        return np.flatnonzero((self.ids >= 0) & (self.pins == 0))
+
+    def pin(self, slots: np.ndarray, bit: int) -> None:
+        """Set pin ``bit`` on (N,) slots (duplicates allowed)."""
+        self.pins[slots] |= np.uint64(1 << bit)
+
+    def unpin(self, slots: np.ndarray, bit: int) -> None:
+        """Clear pin ``bit`` on (N,) slots (duplicates allowed)."""
+        self.pins[slots] &= ~np.uint64(1 << bit)

@@ -1,0 +1,182 @@
+"""The background writer: batches dirty rows evicted from the host tier into LMDB transactions.
+
+Rows handed to :meth:`WriteBehind.submit` stay readable through :meth:`WriteBehind.lookup` until their
+transaction has committed (read-your-writes), newest submission first. A failed commit stops the writer;
+the rows stay pending (still readable) and every later ``submit``/``drain``/``check`` raises the failure
+as a StoreError of the same kind, chained to the original, so a caller never hangs on a dead writer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from types import TracebackType
+
+import numpy as np
+
+from embedding_store.errors import StoreError
+from embedding_store.lmdb_backend import LmdbBackend
+
+__all__ = ["WriteBehind"]
+
+
+@dataclass(slots=True)
+class _Pending:
+    table: str
+    ids: np.ndarray  # (N,) int64, sorted, unique
+    rows: np.ndarray  # (N, R) float32
+
+
+class WriteBehind:
+    """A writer thread in front of an :class:`LmdbBackend` (a context manager).
+
+    Args:
+        backend: where rows go.
+        batch_rows: most rows per transaction.
+        max_pending_rows: ``submit`` blocks while more rows than this wait (bounds memory).
+    """
+
+    def __init__(self, backend: LmdbBackend, *, batch_rows: int, max_pending_rows: int) -> None:
+        self._backend = backend
+        self._batch_rows = batch_rows
+        self._max_pending_rows = max_pending_rows
+        self._cond = threading.Condition()
+        self._pending: deque[_Pending] = deque()  # oldest first; committed entries leave from the left
+        self._pending_rows = 0
+        self._in_flight = 0  # entries at the left of _pending that the thread is committing
+        self._error: BaseException | None = None
+        self._stop = False
+        self.commits = 0
+        self.rows_written = 0
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="tierrec-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows submitted but not yet committed."""
+        return self._pending_rows
+
+    def check(self) -> None:
+        """Raise the writer's failure, if any."""
+        if self._error is not None:
+            err = self._error
+            kind = type(err) if isinstance(err, StoreError) else StoreError
+            raise kind(f"background LMDB writer failed: {err}") from err
+
+    def submit(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Queue (N,) sorted unique ids with their (N, R) rows; the arrays are owned by the writer now."""
+        if ids.shape[0] == 0:
+            return
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._error is not None or self._pending_rows < self._max_pending_rows or self._stop
+            )
+            self.check()
+            if self._stop:
+                raise StoreError("writer is closed")
+            self._pending.append(_Pending(table, ids, rows))
+            self._pending_rows += ids.shape[0]
+            self._cond.notify_all()
+
+    def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Latest pending rows of (N,) ids: ((N,) bool found, (F, R) rows of the found ids in query order)."""
+        found = np.zeros(ids.shape[0], dtype=bool)
+        src = np.full(ids.shape[0], -1, dtype=np.int64)
+        parts: list[np.ndarray] = []
+        with self._cond:
+            entries = [e for e in self._pending if e.table == table]
+        offset = 0
+        for entry in reversed(entries):  # newest first
+            if found.all():
+                break
+            pos = np.searchsorted(entry.ids, ids).clip(max=entry.ids.shape[0] - 1)
+            hit = ~found & (entry.ids[pos] == ids)
+            src[hit] = pos[hit] + offset
+            found |= hit
+            parts.append(entry.rows)
+            offset += entry.rows.shape[0]
+        if not found.any():
+            return found, np.empty((0, 0), dtype=np.float32)
+        if len(parts) == 1:
+            return found, parts[0][src[found]]
+        return found, np.concatenate(parts)[src[found]]
+
+    def pending_ids(self, table: str) -> np.ndarray:
+        """(K,) ids of ``table`` waiting to be committed (may repeat)."""
+        with self._cond:
+            parts = [e.ids for e in self._pending if e.table == table]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def drain(self) -> None:
+        """Block until everything submitted so far is committed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or not self._pending)
+            self.check()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or len(self._pending) > self._in_flight)
+                if not self._pending:
+                    return  # stopped and drained
+                batch: list[_Pending] = []
+                rows = 0
+                for entry in self._pending:
+                    if batch and rows + entry.ids.shape[0] > self._batch_rows:
+                        break
+                    batch.append(entry)
+                    rows += entry.ids.shape[0]
+                self._in_flight = len(batch)
+            start = time.perf_counter()
+            try:
+                self._backend.put_rows(_merge(batch))
+            except BaseException as err:  # noqa: BLE001 - surfaced to callers by check()
+                with self._cond:
+                    self._error = err
+                    self._in_flight = 0
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                for _ in batch:
+                    self._pending.popleft()
+                self._pending_rows -= rows
+                self._in_flight = 0
+                self.commits += 1
+                self.rows_written += rows
+                self.seconds += time.perf_counter() - start
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Commit what is pending, stop the thread, and raise a failure if one happened."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.check()
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _merge(batch: list[_Pending]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """One sorted, duplicate-free write per table; a later submission of an id wins."""
+    out = []
+    for table in dict.fromkeys(e.table for e in batch):
+        entries = [e for e in batch if e.table == table]
+        if len(entries) == 1:
+            out.append((table, entries[0].ids, entries[0].rows))
+            continue
+        ids = np.concatenate([e.ids for e in entries])
+        rows = np.concatenate([e.rows for e in entries])
+        # Reverse so the newest copy comes first; np.unique keeps the first occurrence.
+        uniq, first = np.unique(ids[::-1], return_index=True)
+        out.append((table, uniq, rows[::-1][first]))
+    return out
