@@ -159,6 +159,7 @@ class LmdbBackend:
                     raise StoreIncompatibleError(
                         f"store {path} was written with seed {meta.get('seed')!r}, not {seed}"
                     )
+            changed = raw is None
             for spec in tables:
                 want = _table_meta(spec)
                 have = meta["tables"].get(spec.name)
@@ -166,8 +167,10 @@ class LmdbBackend:
                     raise StoreIncompatibleError(
                         f"table {spec.name!r} in {path} is {have}, the spec asks for {want}"
                     )
+                changed |= have is None
                 meta["tables"][spec.name] = want
-            txn.put(_META_KEY, json.dumps(meta, sort_keys=True).encode())
+            if changed:  # a full map must still reopen: write only when something is new
+                txn.put(_META_KEY, json.dumps(meta, sort_keys=True).encode())
 
     # ----------------------------------------------------------------------------------------- reads
     def get_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

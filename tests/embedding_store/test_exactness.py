@@ -17,7 +17,16 @@ import pytest
 import torch
 from es_helpers import bits
 
-from embedding_store import LmdbOptions, OptimizerKind, PolicyKind, StoreConfig, TableSpec, Tier, TieredStore, init_rows
+from embedding_store import (
+    LmdbOptions,
+    OptimizerKind,
+    PolicyKind,
+    StoreConfig,
+    TableSpec,
+    Tier,
+    TieredStore,
+    init_rows,
+)
 
 fbgemm = pytest.importorskip("fbgemm_gpu")
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402

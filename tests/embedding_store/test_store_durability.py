@@ -1,0 +1,133 @@
+"""Durability (DESIGN invariant 5): SIGKILL after flush, the lock file, and a full LMDB map."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from es_helpers import bits
+
+from embedding_store import (
+    LmdbOptions,
+    OptimizerKind,
+    StoreConfig,
+    StoreFullError,
+    StoreLockedError,
+    TableSpec,
+    TieredStore,
+)
+
+CHILD = Path(__file__).with_name("es_child.py")
+sys.path.insert(0, str(CHILD.parent))
+import es_child  # noqa: E402
+
+
+def _spawn(mode: str, store: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), mode, str(store), str(out)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+def _wait_for(proc: subprocess.Popen, word: str) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line == word, f"child said {line!r}, expected {word!r} (rc={proc.poll()})"
+
+
+def _rows(store: TieredStore) -> dict[str, np.ndarray]:
+    chunks = list(store.iter_rows("t", chunk_rows=7))
+    return {
+        "ids": torch.cat([c.ids for c in chunks]).numpy(),
+        "weights": torch.cat([c.weights for c in chunks]).numpy(),
+        "state": torch.cat([c.state for c in chunks]).numpy(),
+    }
+
+
+@pytest.mark.parametrize("mode", ["flush_then_wait", "flush_then_work"])
+def test_sigkill_after_flush_keeps_exactly_the_flushed_rows(tmp_path: Path, mode: str) -> None:
+    store_dir, dump = tmp_path / "store", tmp_path / "flushed.npz"
+    child = _spawn(mode, store_dir, dump)
+    try:
+        _wait_for(child, "FLUSHED")
+        if mode == "flush_then_work":  # let it evict, rewrite and commit for a while
+            import time
+
+            time.sleep(0.5)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    flushed = np.load(dump)
+    assert flushed["ids"].shape[0] > 24  # more rows than the device and host tiers hold
+    with TieredStore(store_dir, config=es_child.CONFIG, tables=[es_child.SPEC]) as store:
+        got = _rows(store)
+    if mode == "flush_then_wait":
+        np.testing.assert_array_equal(got["ids"], flushed["ids"])
+    else:  # post-flush work only touched ids >= 1000; every flushed row is still exactly there
+        keep = got["ids"] < 1000
+        np.testing.assert_array_equal(got["ids"][keep], flushed["ids"])
+        got = {k: v[keep] for k, v in got.items()}
+    assert (bits(got["weights"]) == bits(flushed["weights"])).all()
+    assert (bits(got["state"]) == bits(flushed["state"])).all()
+
+
+def test_second_process_gets_store_locked_error_and_stale_lock_does_not_block(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    with TieredStore(store_dir, config=es_child.CONFIG, tables=[es_child.SPEC]):
+        other = _spawn("open", store_dir, tmp_path / "unused")
+        assert other.communicate(timeout=60)[0].strip() == "StoreLockedError"
+        with pytest.raises(StoreLockedError):  # a second handle in this process too
+            TieredStore(store_dir, config=es_child.CONFIG, tables=[es_child.SPEC])
+    holder = _spawn("hold", store_dir, tmp_path / "unused")
+    _wait_for(holder, "OPEN")
+    other = _spawn("open", store_dir, tmp_path / "unused")
+    assert other.communicate(timeout=60)[0].strip() == "StoreLockedError"
+    os.kill(holder.pid, signal.SIGKILL)  # dies holding the lock: the kernel drops it
+    holder.wait()
+    assert (store_dir / "tierrec.lock").exists()
+    TieredStore(store_dir, config=es_child.CONFIG, tables=[es_child.SPEC]).close()
+
+
+def test_full_map_raises_store_full_and_reopens_with_flushed_rows(tmp_path: Path) -> None:
+    spec = TableSpec(name="t", dim=64, optimizer=OptimizerKind.EXACT_ADAGRAD)  # 512-byte rows
+    cap = 1 << 20
+    config = StoreConfig(
+        seed=5,
+        device_capacity_rows=64,
+        host_capacity_rows=64,
+        lmdb=LmdbOptions(initial_map_size_bytes=256 << 10, max_map_size_bytes=cap, writer_batch_rows=256),
+    )
+    flushed: dict[str, np.ndarray] | None = None
+    store = TieredStore(tmp_path / "store", config=config, tables=[spec])
+    weights, state = torch.zeros(64, 64), torch.zeros(64, 64)
+    store.bind("t", weights=weights, state=state)
+    with pytest.raises(StoreFullError) as info:
+        for batch in range(10_000):  # 10k * 48 rows * 512 B >> 1 MiB: the map must fill up
+            ids = torch.arange(batch * 48, (batch + 1) * 48)
+            slots = store.make_resident(batch, {"t": ids})["t"]
+            weights[slots] += 1.0
+            state[slots] += 2.0
+            store.release(batch)
+            if batch % 5 == 4:
+                store.flush()
+                flushed = _rows(store)
+    assert flushed is not None and flushed["ids"].shape[0] > 500
+    assert info.value.__cause__ is not None  # the LMDB error is chained
+    assert store.stats().map_size_bytes == cap  # it grew on demand up to the cap, no further
+    with pytest.raises(StoreFullError):  # the failed writer keeps failing, never hangs
+        store.close()
+    with TieredStore(tmp_path / "store", config=config, tables=[spec]) as reopened:
+        got = _rows(reopened)
+        keep = np.isin(got["ids"], flushed["ids"])
+        np.testing.assert_array_equal(got["ids"][keep], flushed["ids"])  # every flushed row is there
+        assert (bits(got["weights"][keep]) == bits(flushed["weights"])).all()
+        assert (bits(got["state"][keep]) == bits(flushed["state"])).all()
