@@ -88,18 +88,19 @@ class HashIdMap:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        out = np.full(ids.shape[0], _EMPTY, dtype=np.int64)
         pos = self._home(ids)  # (N,)
-        active = np.arange(ids.shape[0])
-        mask = self._size - 1
+        keys = self._keys[pos]
+        hit = keys == ids
+        out = np.where(hit, self._vals[pos], _EMPTY)  # most queries settle on the first probe
+        active = np.flatnonzero(~hit & (keys != _EMPTY))
+        pos = (pos[active] + 1) & (self._size - 1)
         while active.size:
             keys = self._keys[pos]
-            queries = ids[active]
-            hit = keys == queries
+            hit = keys == ids[active]
             out[active[hit]] = self._vals[pos[hit]]
             go_on = ~hit & (keys != _EMPTY)
             active = active[go_on]
-            pos = (pos[go_on] + 1) & mask
+            pos = (pos[go_on] + 1) & (self._size - 1)
         return out
 
     def _find_slots(self, ids: np.ndarray) -> np.ndarray:

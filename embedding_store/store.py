@@ -251,6 +251,27 @@ class TieredStore:
                 self._tables[name].release(slots, record.bit)
             self._announced.pop(batch_id, None)
 
+    def evict(self, table: str, ids: IdsLike | None = None) -> int:
+        """Write rows back from the device tier (to the host tier, whose dirty victims go to the
+        writer) and free their slots: the given ids, or every unpinned row when ``ids`` is None.
+
+        Returns:
+            the number of rows evicted.
+
+        Raises:
+            ValueError: one of ``ids`` is pinned by an in-flight batch.
+        """
+        with self._lock:
+            self._check()
+            t = self._table(table)
+            return t.evict(None if ids is None else _as_ids(ids))
+
+    def wait_for_writes(self) -> None:
+        """Block until every row handed to the background writer so far is committed (no fsync)."""
+        with self._lock:
+            self._check()
+            self._writer.drain()
+
     # ---------------------------------------------------------------------------- read-through
     def read_rows(self, table: str, ids: IdsLike) -> RowChunk:
         """Latest rows of arbitrary ids (never-seen ids read as their lazy init); changes nothing.
@@ -263,9 +284,7 @@ class TieredStore:
             t = self._table(table)
             arr = _as_ids(ids)
             t.check_ids(arr)
-            uniq, inverse = np.unique(arr, return_inverse=True)
-            rows = t.read_latest(uniq)[inverse]
-            return _chunk(t.spec, arr, rows)
+            return _chunk(t.spec, arr, t.read_latest(arr))
 
     def iter_rows(self, table: str, *, chunk_rows: int = 1 << 16) -> Iterator[RowChunk]:
         """Stream every row that exists on any tier of ``table``, ascending ids, at most ``chunk_rows``

@@ -160,14 +160,7 @@ class TieredTable:
         rows = self._fetch_up(miss_ids, future_ids)  # (M, R)
         if need > 0:
             victims = device.policy.victims(need, candidates, device.future_mask(candidates, future_ids))
-            victim_ids = device.ids[victims]
-            victim_rows = device.read(victims)
-            device.deallocate(victims)
-            for plan in self._plans:
-                plan.moved_down.append(victim_ids)
-            stats.evictions += need
-            stats.add_out(need, self.spec.row_bytes)
-            self._put_host(victim_ids, victim_rows, dirty=True, future_ids=future_ids)
+            self._evict_slots(victims, future_ids)
         new_slots = device.allocate(miss_ids)
         device.write(new_slots, rows)
         stats.add_in(miss_ids.shape[0], self.spec.row_bytes)
@@ -177,6 +170,33 @@ class TieredTable:
         device.policy.touch(slots)
         stats.seconds += time.perf_counter() - start
         return slots
+
+    def _evict_slots(self, victims: np.ndarray, future_ids: np.ndarray | None) -> None:
+        """Write (K,) unpinned slots back to the host tier (dirty) and free them."""
+        device = self._bound()
+        stats = self.stats[Tier.DEVICE]
+        victim_ids = device.ids[victims]
+        victim_rows = device.read(victims)
+        device.deallocate(victims)
+        for plan in self._plans:
+            plan.moved_down.append(victim_ids)
+        stats.evictions += victims.shape[0]
+        stats.add_out(victims.shape[0], self.spec.row_bytes)
+        self._put_host(victim_ids, victim_rows, dirty=True, future_ids=future_ids)
+
+    def evict(self, ids: np.ndarray | None) -> int:
+        """Write rows back from the device tier and free their slots: ``ids`` (absent ones are
+        skipped), or every unpinned row when None. Returns the number of rows evicted."""
+        device = self._bound()
+        if ids is None:
+            victims = device.evictable()
+        else:
+            slots = device.lookup(np.unique(ids))
+            victims = slots[slots >= 0]
+            if (device.pins[victims] != 0).any():
+                raise ValueError(f"table {self.spec.name!r}: cannot evict rows pinned by an in-flight batch")
+        self._evict_slots(victims, None)
+        return int(victims.shape[0])
 
     def _fetch_up(self, ids: np.ndarray, future_ids: np.ndarray | None) -> np.ndarray:
         """(M,) sorted unique ids absent from the device -> (M, R) latest rows, taken out of the host."""
@@ -247,10 +267,11 @@ class TieredTable:
 
     # ------------------------------------------------------------------------------ read-through
     def read_latest(self, ids: np.ndarray) -> np.ndarray:
-        """(N,) sorted unique ids -> (N, R) latest rows from the highest tier holding each; no side effects."""
+        """(N,) ids (any order, duplicates allowed) -> (N, R) latest rows from the highest tier holding
+        each; never-seen ids read as their lazy init. No side effects."""
         rows = np.empty((ids.shape[0], self.spec.row_floats), dtype=np.float32)
         todo = np.ones(ids.shape[0], dtype=bool)
-        if self.device is not None:
+        if self.device is not None and len(self.device):
             slots = self.device.lookup(ids)
             hit = slots >= 0
             if hit.any():
@@ -258,11 +279,17 @@ class TieredTable:
             todo &= ~hit
         pos = self.host.lookup(ids)
         hit = todo & (pos >= 0)
+        if hit.all():
+            return self.host.gather(pos)  # the common case of a warm host tier: one gather
         if hit.any():
             rows[hit] = self.host.gather(pos[hit])
         todo &= ~hit
         if todo.any():
-            self._read_below_host(ids, rows, todo, count=False)
+            rest = np.flatnonzero(todo)
+            uniq, inverse = np.unique(ids[rest], return_inverse=True)
+            below = np.empty((uniq.shape[0], self.spec.row_floats), dtype=np.float32)
+            self._read_below_host(uniq, below, np.ones(uniq.shape[0], dtype=bool), count=False)
+            rows[rest] = below[inverse]
         return rows
 
     def upper_ids(self) -> np.ndarray:
