@@ -1,0 +1,45 @@
+# tierrec — the two commands a newcomer needs are `make train` and `make test`.
+#
+# Every target (re)creates .venv when it is missing or pyproject.toml changed. On a CPU machine the
+# install never pulls CUDA wheels: constraints-cpu.txt pins the CPU builds and the metadata-only shim in
+# tools/fbgemm-gpu-cpu-shim satisfies torchrec's `fbgemm-gpu` requirement with `fbgemm-gpu-cpu`.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/quickstart.toml
+OUT ?= runs/quickstart
+
+.PHONY: train test test-slow lint format venv clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt tools/fbgemm-gpu-cpu-shim/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints-cpu.txt ./tools/fbgemm-gpu-cpu-shim -e '.[dev]'
+	$(BIN)/python -m pip check
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/recsys train --config $(CONFIG) --out $(OUT)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

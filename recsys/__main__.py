@@ -1,0 +1,3 @@
+from recsys.cli import entry
+
+entry()

@@ -1,0 +1,172 @@
+"""The ``recsys`` command line.
+
+``recsys train --config FILE [--set section.key=value ...] [--out DIR] [--nproc N] [--resume]``
+
+User errors (bad config keys or values, missing files, bad ``--set`` syntax) print one line and exit
+with code 2. Without torchrun, ``train`` spawns ``train.nproc`` local worker processes itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, as for every other user error
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="recsys", description="Train DLRM-style recommendation models with tiered embeddings."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = sub.add_parser("train", help="train a model from a TOML config")
+    train.add_argument("--config", required=True, type=Path, help="TOML config file")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set train.steps=100",
+    )
+    train.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<config name>)")
+    train.add_argument(
+        "--nproc", type=int, default=None, help="local worker processes (overrides train.nproc)"
+    )
+    train.add_argument(
+        "--resume", action="store_true", help="continue from the newest complete checkpoint in --out"
+    )
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """Keep third-party chatter (planner hints, deprecations) out of the user's terminal."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torchrec")
+    for name in ("torchrec", "torch.distributed", "torch.fx._symbolic_trace", "fbgemm_gpu"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    log = logging.getLogger("recsys")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[recsys] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def _fail(message: str) -> int:
+    print(f"recsys: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _worker(local_rank: int, nproc: int, port: int, config: object, out: Path, resume: bool) -> None:
+    """Entry point of a self-spawned worker process."""
+    os.environ.update(
+        RANK=str(local_rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    _quiet_libraries()
+    from recsys.errors import UserError
+    from recsys.train import run
+
+    try:
+        run(config, out, resume=resume)  # type: ignore[arg-type]
+    except UserError as err:
+        if local_rank == 0:
+            print(f"recsys: error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from recsys.config import load_config
+    from recsys.distributed import free_port, launched_by_torchrun
+    from recsys.errors import UserError
+
+    overrides = list(args.overrides)
+    if args.nproc is not None:
+        if args.nproc < 1:
+            return _fail(f"--nproc must be >= 1, got {args.nproc}")
+        overrides.append(f"train.nproc={args.nproc}")
+    try:
+        config = load_config(args.config, overrides)
+    except UserError as err:
+        return _fail(str(err))
+    out = args.out or Path("runs") / args.config.stem
+    if args.resume and not (out / "checkpoints").is_dir():
+        return _fail(f"--resume: no checkpoints in {out}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return _fail(f"cannot create run directory {out}: {err.strerror}")
+    log = logging.getLogger("recsys")
+
+    if launched_by_torchrun():
+        from recsys.train import run
+
+        try:
+            summary = run(config, out, resume=args.resume)
+        except UserError as err:
+            return _fail(str(err))
+    else:
+        import torch.multiprocessing as mp
+
+        nproc = config.train.nproc
+        log.info("spawning %d local worker(s); run directory %s", nproc, out)
+        try:
+            mp.start_processes(
+                _worker,
+                args=(nproc, free_port(), config, out, args.resume),
+                nprocs=nproc,
+                start_method="spawn",
+            )
+        except mp.ProcessExitedException as err:
+            if err.exit_code == EXIT_USAGE:
+                return EXIT_USAGE
+            print(
+                f"recsys: error: worker {err.error_index} exited with code {err.exit_code}", file=sys.stderr
+            )
+            return 1
+        except mp.ProcessRaisedException as err:
+            last = str(err).strip().splitlines()[-1]
+            print(f"recsys: error: worker {err.error_index} failed: {last}", file=sys.stderr)
+            return 1
+        summary_path = out / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    if summary is not None:
+        print(
+            f"done: {summary['steps']} steps, test auc {summary['auc']:.4f}, logloss {summary['logloss']:.4f}, "
+            f"{summary['samples_per_s']:,.0f} samples/s; digest {summary['model_digest']}"
+        )
+        print(f"wrote {out / 'summary.json'} and {out / 'metrics.jsonl'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    if args.command == "train":
+        return _train(args)
+    return _fail(f"unknown command {args.command!r}")
+
+
+def entry() -> None:
+    sys.exit(main())

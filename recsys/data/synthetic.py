@@ -1,0 +1,240 @@
+"""Synthetic click data in Criteo layout with a hidden ground-truth model.
+
+Every value of every sample is a pure function of ``(seed, split, sample index, field)`` through a
+counter-based hash, so a batch is reproducible for any (seed, rank, step), ranks read disjoint samples,
+and the data a step sees does not depend on the world size (rank r of W reads the r-th slice of the
+global batch).
+
+Ids follow a bounded Zipf law over ranks, and ranks are scattered over the feature's id space by a hash,
+like hashed categorical features: an id space of up to 2**63 gives raw 64-bit ids. Labels are drawn
+from a hidden model with per-id linear effects plus pairwise interactions between features, so a model
+that learns feature interactions (DLRM) can beat logistic regression, and learning is measurable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys.data.batch import Batch
+
+__all__ = ["SyntheticConfig", "SyntheticCriteo", "MAX_ID_SPACE"]
+
+MAX_ID_SPACE = 1 << 63
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_SPLITS = {"train": 1, "eval": 2}
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser (returns a new uint64 array)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _key(*parts: int | str) -> np.uint64:
+    acc = np.array([0], dtype=np.uint64)
+    for part in parts:
+        value = zlib.crc32(part.encode()) if isinstance(part, str) else part & 0xFFFFFFFFFFFFFFFF
+        acc = _mix(acc ^ np.array([value], dtype=np.uint64) + _GOLDEN)
+    return acc[0]
+
+
+def _unit(h: np.ndarray) -> np.ndarray:
+    """uint64 hashes -> float64 uniform in [0, 1)."""
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SyntheticConfig:
+    """Synthetic Criteo-layout data (section ``[data]``).
+
+    Attributes:
+        num_dense: dense features (Criteo has 13).
+        num_sparse: sparse features (Criteo has 26).
+        id_space: ids of each sparse feature lie in [0, id_space); up to 2**63 (raw hashed ids).
+        id_spaces: optional per-feature id spaces, overriding ``id_space`` (length ``num_sparse``).
+        multi_hot: the most ids per feature per sample; lengths are uniform in [1, multi_hot].
+        zipf_alpha: exponent of the Zipf law over id popularity ranks (> 0).
+        hidden_dim: size of the hidden per-id vectors whose pairwise products drive the labels.
+        interaction_strength: weight of the pairwise interactions in the hidden logit.
+        linear_strength: weight of the per-id linear effects in the hidden logit.
+        eval_samples: size of the held-out split.
+    """
+
+    num_dense: int = 13
+    num_sparse: int = 26
+    id_space: int = 100_000
+    id_spaces: tuple[int, ...] = ()
+    multi_hot: int = 1
+    zipf_alpha: float = 1.05
+    hidden_dim: int = 2
+    interaction_strength: float = 1.0
+    linear_strength: float = 0.6
+    eval_samples: int = 65_536
+
+    def __post_init__(self) -> None:
+        if self.num_dense < 0:
+            raise ValueError(f"num_dense must be >= 0, got {self.num_dense}")
+        if self.num_sparse < 1:
+            raise ValueError(f"num_sparse must be >= 1, got {self.num_sparse}")
+        for space in (self.id_space, *self.id_spaces):
+            if not 1 <= space <= MAX_ID_SPACE:
+                raise ValueError(f"id_space must be in [1, 2**63], got {space}")
+        if self.id_spaces and len(self.id_spaces) != self.num_sparse:
+            raise ValueError(
+                f"id_spaces needs num_sparse={self.num_sparse} entries, got {len(self.id_spaces)}"
+            )
+        if self.multi_hot < 1:
+            raise ValueError(f"multi_hot must be >= 1, got {self.multi_hot}")
+        if not self.zipf_alpha > 0:
+            raise ValueError(f"zipf_alpha must be > 0, got {self.zipf_alpha}")
+        if self.hidden_dim < 1:
+            raise ValueError(f"hidden_dim must be >= 1, got {self.hidden_dim}")
+        if self.eval_samples < 1:
+            raise ValueError(f"eval_samples must be >= 1, got {self.eval_samples}")
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f"cat_{i}" for i in range(self.num_sparse)]
+
+    def feature_id_space(self, index: int) -> int:
+        return self.id_spaces[index] if self.id_spaces else self.id_space
+
+
+class SyntheticCriteo:
+    """Generates batches of synthetic Criteo-layout samples.
+
+    Args:
+        config: the data section.
+        seed: the run's seed; it fixes the hidden model and every sample.
+
+    Example:
+        >>> data = SyntheticCriteo(SyntheticConfig(num_sparse=2, id_space=100), seed=0)
+        >>> batch = data.batch(step=0, rank=0, world_size=1, batch_size=8)
+        >>> batch.dense.shape, batch.sparse.keys()
+        (torch.Size([8, 13]), ['cat_0', 'cat_1'])
+    """
+
+    def __init__(self, config: SyntheticConfig, *, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+        cfg = config
+        rng = np.random.default_rng([seed, 0x5EED])
+        self._dense_w = rng.normal(0.0, 0.5 / max(1, cfg.num_dense) ** 0.5, cfg.num_dense)
+        self._dense_scale = rng.uniform(1.0, 50.0, cfg.num_dense)
+        self._dense_center = np.log1p(self._dense_scale) - 0.58
+        # Interactions within disjoint pairs of features (0-1, 2-3, ...).
+        f = cfg.num_sparse
+        self._pairs = np.array([(i, i + 1) for i in range(0, f - 1, 2)], dtype=np.int64).reshape(-1, 2)
+        self._feature_keys = [_key(seed, "id", i) for i in range(f)]
+        self._hidden_keys = [_key(seed, "hidden", i) for i in range(f)]
+        # Centre the logit so that roughly a quarter of the samples are positive, as in click logs.
+        self._bias = -1.1
+
+    # -- public -----------------------------------------------------------------------------------
+
+    def num_train_samples(self) -> None:
+        """The training split is unbounded: samples are generated for any index."""
+        return None
+
+    def batch(self, *, step: int, rank: int, world_size: int, batch_size: int, split: str = "train") -> Batch:
+        """Rank ``rank``'s share of global step ``step``; ``batch_size`` is the global batch size."""
+        local = batch_size // world_size
+        start = step * batch_size + rank * local
+        return self.samples(np.arange(start, start + local, dtype=np.uint64), split=split)
+
+    def eval_batches(self, *, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        """This rank's disjoint, contiguous share of the held-out split, in batches of ``batch_size``."""
+        total = self.config.eval_samples
+        lo = total * rank // world_size
+        hi = total * (rank + 1) // world_size
+        for start in range(lo, hi, batch_size):
+            yield self.samples(np.arange(start, min(hi, start + batch_size), dtype=np.uint64), split="eval")
+
+    def samples(self, index: np.ndarray, *, split: str = "train") -> Batch:
+        """The samples with the given global indices (uint64) of a split."""
+        cfg = self.config
+        b = index.shape[0]
+        base = _mix(index ^ _key(self.seed, "split", _SPLITS[split]))  # (B,)
+
+        def uniform(*salt: int) -> np.ndarray:
+            return _unit(_mix(base + _key(*salt)))
+
+        # Dense: heavy-tailed counts, log-transformed as Criteo pipelines do.
+        dense = np.empty((b, cfg.num_dense), dtype=np.float32)
+        for j in range(cfg.num_dense):
+            counts = np.floor(-np.log1p(-uniform(1, j)) * self._dense_scale[j])
+            dense[:, j] = np.log1p(counts)
+
+        lengths = np.empty((cfg.num_sparse, b), dtype=np.int64)
+        ids = np.empty((cfg.num_sparse, b, cfg.multi_hot), dtype=np.int64)
+        for f in range(cfg.num_sparse):
+            lengths[f] = (
+                1 if cfg.multi_hot == 1 else 1 + np.floor(uniform(2, f) * cfg.multi_hot).astype(np.int64)
+            )
+            for s in range(cfg.multi_hot):
+                ids[f, :, s] = self._zipf_ids(uniform(3, f, s), f)
+
+        logit = self._hidden_logit(dense, ids, lengths)
+        labels = (uniform(4) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+
+        mask = np.arange(cfg.multi_hot)[None, None, :] < lengths[:, :, None]  # (F, B, L)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=cfg.feature_names,
+            values=torch.from_numpy(ids[mask]),
+            lengths=torch.from_numpy(lengths.reshape(-1).astype(np.int32)),
+        )
+        return Batch(dense=torch.from_numpy(dense), sparse=kjt, labels=torch.from_numpy(labels))
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _zipf_ids(self, u: np.ndarray, feature: int) -> np.ndarray:
+        """Bounded Zipf ranks in [0, n) by inverse CDF of a power law, hashed into the id space."""
+        n = float(self.config.feature_id_space(feature))
+        a = self.config.zipf_alpha
+        if abs(a - 1.0) < 1e-9:
+            rank = np.exp(u * np.log(n + 1.0)) - 1.0
+        else:
+            top = (n + 1.0) ** (1.0 - a)
+            rank = (1.0 + u * (top - 1.0)) ** (1.0 / (1.0 - a)) - 1.0
+        rank_u = np.minimum(np.floor(rank), n - 1).astype(np.uint64)
+        space = np.uint64(self.config.feature_id_space(feature))
+        return (_mix(rank_u + self._feature_keys[feature]) % space).astype(np.int64)
+
+    def _hidden(self, ids: np.ndarray, lengths: np.ndarray, feature: int) -> np.ndarray:
+        """Mean over each sample's ids of the hidden (1 + hidden_dim)-vector; shape (B, 1 + k)."""
+        k = 1 + self.config.hidden_dim
+        h = _mix(ids.astype(np.uint64)[..., None] ^ self._hidden_keys[feature])  # (B, L, 1)
+        cols = (np.arange(k, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
+        vec = _unit(_mix(h + cols)) * 2.0 - 1.0  # (B, L, k)
+        mask = (np.arange(ids.shape[1])[None, :] < lengths[:, None])[..., None]
+        return (vec * mask).sum(axis=1) / lengths[:, None]
+
+    def _hidden_logit(self, dense: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        cfg = self.config
+        hidden = np.stack([self._hidden(ids[f], lengths[f], f) for f in range(cfg.num_sparse)])  # (F, B, 1+k)
+        linear = hidden[:, :, 0].sum(axis=0) * cfg.linear_strength / np.sqrt(cfg.num_sparse)
+        vec = hidden[:, :, 1:] * np.sqrt(3.0)  # unit variance per component
+        inter = np.zeros(dense.shape[0])
+        if len(self._pairs):
+            prods = (vec[self._pairs[:, 0]] * vec[self._pairs[:, 1]]).sum(axis=2)  # (P, B)
+            inter = prods.sum(axis=0) * cfg.interaction_strength / np.sqrt(len(self._pairs) * cfg.hidden_dim)
+        # Centred by a constant (E[log X] of the counts), never by batch statistics: a sample's label must
+        # not depend on which batch it is generated in.
+        dense_term = (dense - self._dense_center) @ self._dense_w if cfg.num_dense else 0.0
+        return self._bias + linear + 1.6 * inter + dense_term
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self.config)

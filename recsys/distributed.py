@@ -1,0 +1,69 @@
+"""Process-group setup and device choice: gloo on CPU, NCCL on CUDA; torchrun or self-spawned workers."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistEnv", "launched_by_torchrun", "free_port", "init_distributed", "compute_device"]
+
+
+@dataclass(frozen=True, slots=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (torch.distributed.run) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now (for self-spawned local workers)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def compute_device(local_rank: int) -> torch.device:
+    """The compute device of a local rank: its own GPU when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(*, threads_per_rank: int = 0) -> DistEnv:
+    """Join the process group described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if world_size > 1:
+            raise RuntimeError("MASTER_PORT is not set for a multi-process run")
+        os.environ["MASTER_PORT"] = str(free_port())
+    device = compute_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
+    torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)

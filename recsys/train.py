@@ -1,0 +1,273 @@
+"""The training loop of one rank: TorchRec DMP driven by TrainPipelineSparseDist.
+
+``run(config, out_dir)`` is called in every worker process (spawned by ``recsys train`` or by torchrun).
+Rank 0 owns the run directory: ``metrics.jsonl``, ``summary.json`` and the checkpoint manifests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from tqdm import tqdm
+
+from recsys.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from recsys.config import RunConfig, config_to_dict
+from recsys.data.batch import Batch
+from recsys.data.synthetic import SyntheticCriteo
+from recsys.digest import model_digest
+from recsys.distributed import DistEnv, init_distributed
+from recsys.errors import UserError
+from recsys.metrics import MetricsLog, auc_logloss, write_json
+from recsys.models import TrainModel, build_model, table_configs
+from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
+
+__all__ = ["run", "Trainer"]
+
+log = logging.getLogger("recsys")
+
+
+def _hash_into_table(batch: Batch, num_embeddings: list[int], id_spaces: list[int]) -> Batch:
+    """Fold ids of id spaces larger than their in-memory table into it (modulo, as hashed features do)."""
+    if all(s <= n for s, n in zip(id_spaces, num_embeddings, strict=True)):
+        return batch
+    kjt = batch.sparse
+    rows = torch.tensor(num_embeddings, dtype=torch.int64)
+    per_value = torch.repeat_interleave(rows, torch.tensor(kjt.length_per_key()))
+    values = torch.remainder(kjt.values(), per_value)
+    sparse = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths(), stride=kjt.stride())
+    return Batch(dense=batch.dense, sparse=sparse, labels=batch.labels)
+
+
+class Trainer:
+    """Builds the sharded model for a config and trains, evaluates, checkpoints and digests it."""
+
+    def __init__(self, config: RunConfig, env: DistEnv, *, out_dir: Path) -> None:
+        self.config = config
+        self.env = env
+        self.out_dir = out_dir
+        cfg = config
+        self.data = SyntheticCriteo(cfg.data, seed=cfg.train.seed)
+        self.id_spaces = [cfg.data.feature_id_space(i) for i in range(cfg.data.num_sparse)]
+        self.num_embeddings = [min(s, cfg.sparse.max_rows_per_table) for s in self.id_spaces]
+        self.tables = table_configs(
+            cfg.data.feature_names, dim=cfg.model.table_dim, num_embeddings=self.num_embeddings
+        )
+        torch.manual_seed(cfg.train.seed)
+        model = TrainModel(
+            build_model(cfg.model, self.tables, num_dense=cfg.data.num_dense, device=env.device)
+        )
+        self.dmp = shard_model(model, self.tables, sparse=cfg.sparse, device=env.device)
+        init_embedding_rows(self.dmp, self.tables, seed=cfg.train.seed, scale=cfg.sparse.init_scale)
+        self.optimizer = build_optimizer(self.dmp, cfg.train)
+        self.dense_optimizer = self.optimizer.optimizers[1][1]
+        self.step = 0
+
+    # -- data -------------------------------------------------------------------------------------
+
+    def _batch(self, step: int) -> Batch:
+        batch = self.data.batch(
+            step=step,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            batch_size=self.config.train.batch_size,
+        )
+        return _hash_into_table(batch, self.num_embeddings, self.id_spaces)
+
+    def _batches(self, start: int, stop: int) -> Iterator[Batch]:
+        for step in range(start, stop):
+            yield self._batch(step)
+
+    # -- evaluation -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, pipeline: TrainPipelineSparseDist | None = None) -> tuple[float, float]:
+        """AUC and log loss over the whole held-out split (every rank scores its share).
+
+        A train pipeline rewrites the sparse modules' forward; it is detached for the evaluation (its
+        in-flight batches are kept) and re-attaches itself on its next ``progress``.
+        """
+        if pipeline is not None:
+            pipeline.detach()
+        self.dmp.eval()
+        logits, labels = [], []
+        for batch in self.data.eval_batches(
+            rank=self.env.rank, world_size=self.env.world_size, batch_size=self.config.eval.batch_size
+        ):
+            batch = _hash_into_table(batch, self.num_embeddings, self.id_spaces).to(self.env.device)
+            _, (_, out, lab) = self.dmp(batch)
+            logits.append(out.cpu())
+            labels.append(lab.cpu())
+        self.dmp.train()
+        mine = (torch.cat(logits), torch.cat(labels))
+        parts = [mine]
+        if self.env.world_size > 1:
+            parts = [None] * self.env.world_size  # type: ignore[list-item]
+            dist.all_gather_object(parts, mine)
+        return auc_logloss(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def resume(self) -> None:
+        path = latest_checkpoint(self.checkpoint_root)
+        if path is None:
+            raise UserError(f"--resume: no complete checkpoint under {self.checkpoint_root}")
+        self.step = load_checkpoint(path, dmp=self.dmp, dense_optimizer=self.dense_optimizer)
+        if self.env.is_main:
+            log.info("resumed from %s (step %d)", path, self.step)
+
+    def save(self) -> None:
+        save_checkpoint(
+            self.checkpoint_root,
+            step=self.step,
+            dmp=self.dmp,
+            dense_optimizer=self.dense_optimizer,
+            keep=self.config.train.keep_checkpoints,
+        )
+
+    def digest(self) -> str:
+        return model_digest(
+            self.dmp, self.tables, seed=self.config.train.seed, init_scale=self.config.sparse.init_scale
+        )
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _all_mean(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.env.world_size > 1:
+            dist.all_reduce(t)
+            t /= self.env.world_size
+        return t.tolist()
+
+    def fit(self, metrics: MetricsLog) -> dict[str, Any]:
+        """Train from ``self.step`` to ``train.steps``; returns the summary (meaningful on rank 0)."""
+        cfg = self.config
+        tcfg = cfg.train
+        pipeline = TrainPipelineSparseDist(
+            self.dmp, self.optimizer, self.env.device, execute_all_batches=True
+        )
+        batches = self._batches(self.step, tcfg.steps)
+        bar = tqdm(
+            total=tcfg.steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            disable=not self.env.is_main,
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
+        train_time = 0.0
+        trained_samples = 0
+        window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        result: dict[str, Any] = {}
+        while self.step < tcfg.steps:
+            t0 = time.perf_counter()
+            loss, _, _ = pipeline.progress(batches)
+            train_time += time.perf_counter() - t0
+            self.step += 1
+            trained_samples += tcfg.batch_size
+            window_loss += float(loss)
+            window_steps += 1
+            bar.update(1)
+            if self.step % tcfg.log_every == 0 or self.step == tcfg.steps:
+                (mean_loss,) = self._all_mean([window_loss / window_steps])
+                rate = window_steps * tcfg.batch_size / max(1e-9, time.perf_counter() - window_start)
+                bar.set_postfix(loss=f"{mean_loss:.4f}", samples_per_s=f"{rate:,.0f}")
+                metrics.write(kind="train", step=self.step, loss=mean_loss, samples_per_s=rate)
+                window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < tcfg.steps:
+                auc, logloss = self.evaluate(pipeline)
+                metrics.write(kind="eval", step=self.step, auc=auc, logloss=logloss)
+                if self.env.is_main:
+                    bar.write(f"step {self.step}: eval auc {auc:.4f} logloss {logloss:.4f}")
+                window_start = time.perf_counter()
+            if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and self.step < tcfg.steps:
+                self.save()
+                window_start = time.perf_counter()
+        bar.close()
+        # Drain the pipeline's prefetched batches (none remain: the iterator stops at train.steps).
+        auc, logloss = self.evaluate(pipeline)
+        metrics.write(kind="eval", step=self.step, auc=auc, logloss=logloss)
+        if tcfg.checkpoint_every:
+            self.save()
+        result.update(
+            auc=auc,
+            logloss=logloss,
+            steps=self.step,
+            samples=trained_samples,
+            samples_per_s=trained_samples / train_time if train_time else math.nan,
+            train_seconds=train_time,
+        )
+        return result
+
+
+def _start_fresh(out_dir: Path) -> None:
+    """A new (not resumed) run replaces the metrics and checkpoints of an earlier run in the same place."""
+    stale = [p for p in (out_dir / "metrics.jsonl", out_dir / "summary.json") if p.exists()]
+    ckpts = out_dir / "checkpoints"
+    if stale or ckpts.exists():
+        log.warning(
+            "starting a fresh run in %s: replacing the earlier run's metrics and checkpoints", out_dir
+        )
+    for path in stale:
+        path.unlink()
+    if ckpts.exists():
+        shutil.rmtree(ckpts)
+
+
+def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, Any] | None:
+    """Train on this process's rank; rank 0 writes the run directory and returns the summary."""
+    env = init_distributed(threads_per_rank=config.train.threads_per_rank)
+    try:
+        started = time.perf_counter()
+        trainer = Trainer(config, env, out_dir=out_dir)
+        if env.is_main:
+            log.info(
+                "%s on %d rank(s) [%s, %s], %d tables, %s sharding, %s",
+                config.model.name.value,
+                env.world_size,
+                env.backend,
+                env.device.type,
+                len(trainer.tables),
+                config.sparse.sharding.value,
+                config.sparse.optimizer.value,
+            )
+        if resume:
+            trainer.resume()
+        elif env.is_main:
+            _start_fresh(out_dir)
+        if env.world_size > 1:
+            dist.barrier()
+        metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=env.is_main)
+        summary = trainer.fit(metrics)
+        digest = trainer.digest()
+        summary.update(
+            model=config.model.name.value,
+            world_size=env.world_size,
+            backend=env.backend,
+            device=env.device.type,
+            model_digest=digest,
+            wall_seconds=time.perf_counter() - started,
+            resumed=resume,
+            config=config_to_dict(config),
+            versions={"torch": torch.__version__},
+        )
+        if env.is_main:
+            write_json(out_dir / "summary.json", summary)
+            return summary
+        return None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,82 @@
+"""Training-loop and evaluation settings (sections ``[train]`` and ``[eval]``)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["DenseOptimizer", "TrainConfig", "EvalConfig"]
+
+
+class DenseOptimizer(enum.Enum):
+    ADAGRAD = "adagrad"
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrainConfig:
+    """The training loop (section ``[train]``).
+
+    Attributes:
+        steps: optimizer steps to run (global batches).
+        batch_size: global batch size; each of ``nproc`` ranks takes ``batch_size / nproc`` samples.
+        seed: fixes data, initial weights and the hidden model of synthetic data.
+        nproc: local worker processes to spawn when not launched by torchrun.
+        dense_optimizer: optimizer of the dense (MLP) parameters.
+        dense_learning_rate: its learning rate.
+        log_every: steps between progress records in metrics.jsonl.
+        checkpoint_every: steps between checkpoints (0: only at the end).
+        keep_checkpoints: how many of the newest checkpoints to keep.
+        threads_per_rank: intra-op threads per rank (0: cores divided by local ranks).
+    """
+
+    steps: int = 200
+    batch_size: int = 1024
+    seed: int = 0
+    nproc: int = 1
+    dense_optimizer: DenseOptimizer = DenseOptimizer.ADAGRAD
+    dense_learning_rate: float = 0.05
+    log_every: int = 20
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    threads_per_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.nproc < 1:
+            raise ValueError(f"nproc must be >= 1, got {self.nproc}")
+        if not self.dense_learning_rate > 0:
+            raise ValueError(f"dense_learning_rate must be > 0, got {self.dense_learning_rate}")
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.threads_per_rank < 0:
+            raise ValueError(f"threads_per_rank must be >= 0, got {self.threads_per_rank}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EvalConfig:
+    """Evaluation on the held-out split (section ``[eval]``).
+
+    Attributes:
+        every: steps between evaluations (0: only at the end).
+        batch_size: samples per rank per evaluation batch.
+    """
+
+    every: int = 0
+    batch_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every must be >= 0, got {self.every}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")

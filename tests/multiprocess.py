@@ -1,0 +1,70 @@
+"""The one multi-process test harness: run a function on N local ranks over gloo.
+
+Example:
+    results = run_ranks(world_size=2, fn=my_check, arg=123)  # my_check(rank, world_size, arg) -> picklable
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from recsys.distributed import free_port
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg: Any, queue: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, "ok", fn(rank, world_size, arg)))
+    except BaseException:  # report every failure to the parent, then re-raise
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    *, world_size: int, fn: Callable[..., Any], arg: Any = None, timeout_s: float = 300
+) -> list[Any]:
+    """Run ``fn(rank, world_size, arg)`` in ``world_size`` spawned processes; returns results by rank.
+
+    ``fn`` must be importable (a module-level function of a test module).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = mp.start_processes(
+        _entry,
+        args=(world_size, free_port(), fn, arg, queue),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    results: dict[int, Any] = {}
+    errors = []
+    for _ in range(world_size):
+        rank, status, value = queue.get(timeout=timeout_s)
+        if status == "ok":
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+            break
+    if errors:
+        for p in procs.processes:
+            p.kill()
+        raise AssertionError("\n".join(errors))
+    procs.join(timeout_s)
+    return [results[r] for r in range(world_size)]

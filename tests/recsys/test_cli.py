@@ -1,0 +1,71 @@
+"""The CLI surface and its user errors: one line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from recsys.cli import build_parser, main
+
+
+def test_cli_surface_is_frozen():
+    """Renaming or dropping a flag breaks users' scripts: change this test only on purpose."""
+    train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    flags = sorted(opt for action in train._actions for opt in action.option_strings)
+    assert flags == sorted(["--config", "--nproc", "--out", "--resume", "--set", "-h", "--help"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "train.stepz=3"], "unknown config key 'train.stepz'; valid keys of [train]:"),
+        (["--set", "train.steps=many"], "train.steps must be an integer, got 'many'"),
+        (["--set", "oops"], "--set expects section.key=value, got 'oops'"),
+        (["--nproc", "0"], "--nproc must be >= 1, got 0"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(argv, message, repo_root, tmp_path, capsys):
+    code = main(
+        ["train", "--config", str(repo_root / "configs/quickstart.toml"), "--out", str(tmp_path), *argv]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert message in err
+    assert len(err.splitlines()) == 1
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    code = main(["train", "--config", str(tmp_path / "missing.toml")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"recsys: error: config file not found: {tmp_path / 'missing.toml'}"
+
+
+def test_resume_without_checkpoints_exits_2(repo_root, tmp_path, capsys):
+    code = main(
+        ["train", "--config", str(repo_root / "configs/quickstart.toml"), "--out", str(tmp_path), "--resume"]
+    )
+    assert code == 2 and "no checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--config", "configs/quickstart.toml", "--set", "model.name=transformer"],
+        ["train", "--config", "configs/quickstart.toml", "--bogus-flag"],
+        ["train", "--config", "does/not/exist.toml"],
+    ],
+)
+def test_process_exit_code_and_no_traceback(argv, python, cli_env, repo_root):
+    proc = subprocess.run(
+        [python, "-m", "recsys", *argv],
+        cwd=repo_root,
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and lines[0].startswith("recsys")
