@@ -16,7 +16,7 @@ OUT ?= runs/quickstart
 $(STAMP): pyproject.toml constraints-cpu.txt tools/fbgemm-gpu-cpu-shim/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints-cpu.txt ./tools/fbgemm-gpu-cpu-shim -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints-cpu.txt ./tools/fbgemm-gpu-cpu-shim -e '.[cpu,dev]'
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 
