@@ -21,6 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from recsys.data.source import DataConfig
 from recsys.data.synthetic import SyntheticConfig
 from recsys.errors import UserError
 from recsys.models import ModelConfig
@@ -38,7 +39,8 @@ class ConfigError(UserError):
 class RunConfig:
     """A whole training run: one field per section of the TOML file."""
 
-    data: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     sparse: SparseConfig = dataclasses.field(default_factory=SparseConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from recsys.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from recsys.config import RunConfig, config_to_dict
 from recsys.data.batch import Batch
-from recsys.data.synthetic import SyntheticCriteo
+from recsys.data.source import build_dataset
 from recsys.digest import model_digest
 from recsys.distributed import DistEnv, init_distributed
 from recsys.errors import UserError
@@ -55,15 +55,15 @@ class Trainer:
         self.env = env
         self.out_dir = out_dir
         cfg = config
-        self.data = SyntheticCriteo(cfg.data, seed=cfg.train.seed)
-        self.id_spaces = [cfg.data.feature_id_space(i) for i in range(cfg.data.num_sparse)]
+        self.data = build_dataset(cfg.data, synthetic=cfg.synthetic, seed=cfg.train.seed)
+        self.id_spaces = self.data.id_spaces
         self.num_embeddings = [min(s, cfg.sparse.max_rows_per_table) for s in self.id_spaces]
         self.tables = table_configs(
-            cfg.data.feature_names, dim=cfg.model.table_dim, num_embeddings=self.num_embeddings
+            self.data.feature_names, dim=cfg.model.table_dim, num_embeddings=self.num_embeddings
         )
         torch.manual_seed(cfg.train.seed)
         model = TrainModel(
-            build_model(cfg.model, self.tables, num_dense=cfg.data.num_dense, device=env.device)
+            build_model(cfg.model, self.tables, num_dense=self.data.num_dense, device=env.device)
         )
         self.dmp = shard_model(model, self.tables, sparse=cfg.sparse, device=env.device)
         init_embedding_rows(self.dmp, self.tables, seed=cfg.train.seed, scale=cfg.sparse.init_scale)
@@ -73,18 +73,16 @@ class Trainer:
 
     # -- data -------------------------------------------------------------------------------------
 
-    def _batch(self, step: int) -> Batch:
-        batch = self.data.batch(
-            step=step,
+    def _batches(self, start: int, stop: int) -> Iterator[Batch]:
+        """Global steps [start, stop) of this rank, ids folded into in-memory tables where needed."""
+        source = self.data.train_batches(
             rank=self.env.rank,
             world_size=self.env.world_size,
             batch_size=self.config.train.batch_size,
+            start_step=start,
         )
-        return _hash_into_table(batch, self.num_embeddings, self.id_spaces)
-
-    def _batches(self, start: int, stop: int) -> Iterator[Batch]:
-        for step in range(start, stop):
-            yield self._batch(step)
+        for _, batch in zip(range(start, stop), source, strict=False):
+            yield _hash_into_table(batch, self.num_embeddings, self.id_spaces)
 
     # -- evaluation -------------------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ def _unit(h: np.ndarray) -> np.ndarray:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class SyntheticConfig:
-    """Synthetic Criteo-layout data (section ``[data]``).
+    """Synthetic Criteo-layout data (section ``[synthetic]``).
 
     Attributes:
         num_dense: dense features (Criteo has 13).
@@ -143,11 +143,28 @@ class SyntheticCriteo:
         # Centre the logit so that roughly a quarter of the samples are positive, as in click logs.
         self._bias = -1.1
 
-    # -- public -----------------------------------------------------------------------------------
+    # -- the Dataset protocol ---------------------------------------------------------------------
 
-    def num_train_samples(self) -> None:
-        """The training split is unbounded: samples are generated for any index."""
-        return None
+    @property
+    def feature_names(self) -> list[str]:
+        return self.config.feature_names
+
+    @property
+    def id_spaces(self) -> list[int]:
+        return [self.config.feature_id_space(i) for i in range(self.config.num_sparse)]
+
+    @property
+    def num_dense(self) -> int:
+        return self.config.num_dense
+
+    def train_batches(
+        self, *, rank: int, world_size: int, batch_size: int, start_step: int
+    ) -> Iterator[Batch]:
+        """Unbounded: the training split has a sample for every index."""
+        step = start_step
+        while True:
+            yield self.batch(step=step, rank=rank, world_size=world_size, batch_size=batch_size)
+            step += 1
 
     def batch(self, *, step: int, rank: int, world_size: int, batch_size: int, split: str = "train") -> Batch:
         """Rank ``rank``'s share of global step ``step``; ``batch_size`` is the global batch size."""

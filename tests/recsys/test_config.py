@@ -14,7 +14,7 @@ def test_quickstart_loads_and_overrides_apply(repo_root):
         repo_root / "configs/quickstart.toml", ["train.steps=7", "train.seed=3", "model.name=dcn"]
     )
     assert cfg.train.steps == 7 and cfg.train.seed == 3 and cfg.model.name is ModelName.DCN
-    assert cfg.data.num_dense == 13 and cfg.data.num_sparse == 26
+    assert cfg.synthetic.num_dense == 13 and cfg.synthetic.num_sparse == 26
 
 
 def test_override_values_are_typed():
@@ -42,7 +42,7 @@ def test_config_round_trips_through_dict():
         (["nosuch.key=1"], "unknown config section 'nosuch'"),
         (["steps=10"], "--set expects section.key=value, got 'steps=10'"),
         (["train.steps"], "--set expects section.key=value, got 'train.steps'"),
-        (["data.id_space=9223372036854775809"], "id_space"),
+        (["synthetic.id_space=9223372036854775809"], "id_space"),
         (["train.nproc=3"], "train.batch_size (1024) must be divisible by train.nproc (3)"),
     ],
 )
@@ -56,7 +56,7 @@ def test_bad_overrides_name_the_culprit(overrides, message):
 def test_unknown_section_in_file(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[trian]\nsteps = 3\n")
-    with pytest.raises(ConfigError, match=r"unknown config section \[trian\]; valid sections: data, model"):
+    with pytest.raises(ConfigError, match=r"unknown config section \[trian\]; valid sections: data, synthetic, model"):
         load_config(path)
 
 
@@ -73,3 +73,12 @@ def test_parse_override_reads_toml_values():
     assert parse_override("a.b=true") == ("a", "b", True)
     assert parse_override("a.b = [1, 2]") == ("a", "b", [1, 2])
     assert parse_override("a.b=row_wise") == ("a", "b", "row_wise")
+
+
+def test_unknown_data_source_is_a_user_error():
+    from recsys.data.source import build_dataset
+    from recsys.errors import UserError
+
+    cfg = config_from_dict({"data": {"source": "nowhere"}})
+    with pytest.raises(UserError, match="unknown data source 'nowhere'; valid: synthetic"):
+        build_dataset(cfg.data, synthetic=cfg.synthetic, seed=0)

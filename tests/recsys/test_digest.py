@@ -8,8 +8,8 @@ from recsys.config import config_from_dict
 from tests.multiprocess import run_ranks
 
 SMALL = [
-    "data.num_sparse=3",
-    "data.id_spaces=[50, 37, 64]",
+    "synthetic.num_sparse=3",
+    "synthetic.id_spaces=[50, 37, 64]",
     "model.embedding_dim=8",
     "model.dense_arch=[16, 8]",
     "model.over_arch=[16]",

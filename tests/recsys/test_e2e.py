@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 CONFIG = """
-[data]
+[synthetic]
 num_sparse = 4
 id_space = 2000
 eval_samples = 4096
