@@ -4,9 +4,9 @@ Two implementations of one small contract, both free of per-id Python loops:
 
 - :class:`DenseIdMap` for bounded id spaces: an int32 array indexed by id (~2e8 lookups/s).
 - :class:`HashIdMap` for unbounded 64-bit ids: open addressing with linear probing in numpy, every
-  probe round handling all pending queries at once. The table holds at most half its size in live
-  entries, so a hit takes ~1.5 probes; deletions leave tombstones and the table is rebuilt when they
-  pile up.
+  probe round handling all pending queries at once. Ids and positions sit side by side (one cache
+  miss per probe); the table holds at most a third of its size in live entries, so a hit takes ~1.2
+  probes; deletions leave tombstones and the table is rebuilt when they pile up.
 
 Positions are int64 in ``[0, capacity)``; a lookup returns -1 for an absent id.
 """
@@ -23,6 +23,7 @@ _EMPTY = -1
 _TOMB = -2
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 _DENSE_MAX_IDS = 1 << 26  # dense maps up to 256 MiB of int32
+_SLACK = 3  # table cells per live entry, rounded up to a power of two: load <= 1/3, ~1.2 probes per hit
 
 
 class IdMap(Protocol):
@@ -51,7 +52,7 @@ class DenseIdMap:
         self._len = 0
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        return self._pos[ids].astype(np.int64)
+        return np.take(self._pos, ids).astype(np.int64)
 
     def insert(self, ids: np.ndarray, positions: np.ndarray) -> None:
         self._pos[ids] = positions
@@ -73,10 +74,14 @@ class HashIdMap:
     """Unbounded int64 ids in an open-addressing table sized for ``max_entries`` live entries."""
 
     def __init__(self, max_entries: int) -> None:
-        self._size = _next_pow2(2 * max(1, max_entries))
+        self._size = _next_pow2(_SLACK * max(1, max_entries))
         self._mask = np.uint64(self._size - 1)
-        self._keys = np.full(self._size, _EMPTY, dtype=np.int64)  # (size,) id, -1 empty, -2 tombstone
-        self._vals = np.zeros(self._size, dtype=np.int64)  # (size,)
+        # (size, 2): id (-1 empty, -2 tombstone) and position side by side, so the first probe of a
+        # lookup fetches both with one cache miss.
+        self._kv = np.zeros((self._size, 2), dtype=np.int64)
+        self._keys = self._kv[:, 0]  # (size,) view
+        self._vals = self._kv[:, 1]  # (size,) view
+        self._keys.fill(_EMPTY)
         self._len = 0
         self._tombs = 0
 
@@ -87,17 +92,23 @@ class HashIdMap:
         return ((ids.view(np.uint64) * _MUL) >> shift).astype(np.int64)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
+        # np.take is ~3x faster than fancy indexing for these random gathers.
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         pos = self._home(ids)  # (N,)
-        keys = self._keys[pos]
-        hit = keys == ids
-        out = np.where(hit, self._vals[pos], _EMPTY)  # most queries settle on the first probe
-        active = np.flatnonzero(~hit & (keys != _EMPTY))
-        pos = (pos[active] + 1) & (self._size - 1)
+        kv = np.take(self._kv, pos, axis=0)  # (N, 2)
+        keys = kv[:, 0]
+        out = kv[:, 1].copy()
+        miss = keys != ids
+        if not miss.any():  # every query settled on its first probe
+            return out
+        out[miss] = _EMPTY
+        active = np.flatnonzero(miss & (keys != _EMPTY))
+        pos = (np.take(pos, active) + 1) & (self._size - 1)
         while active.size:
-            keys = self._keys[pos]
-            hit = keys == ids[active]
-            out[active[hit]] = self._vals[pos[hit]]
+            kv = np.take(self._kv, pos, axis=0)  # (A, 2)
+            keys = kv[:, 0]
+            hit = keys == np.take(ids, active)
+            out[active[hit]] = kv[hit, 1]
             go_on = ~hit & (keys != _EMPTY)
             active = active[go_on]
             pos = (pos[go_on] + 1) & (self._size - 1)
@@ -110,7 +121,7 @@ class HashIdMap:
         active = np.arange(ids.shape[0])
         mask = self._size - 1
         while active.size:
-            keys = self._keys[pos]
+            keys = np.take(self._kv, pos, axis=0)[:, 0]
             hit = keys == ids[active]
             found[active[hit]] = pos[hit]
             go_on = ~hit & (keys != _EMPTY)
@@ -135,7 +146,7 @@ class HashIdMap:
         active = np.arange(ids.shape[0])
         mask = self._size - 1
         while active.size:
-            keys = self._keys[pos]
+            keys = np.take(self._kv, pos, axis=0)[:, 0]
             free = keys < 0
             # Claim free cells; when several ids hit one cell the last write wins and the others probe on.
             self._keys[pos[free]] = ids[active[free]]

@@ -26,6 +26,7 @@ class EvictionPolicy:
 
     kind: PolicyKind = PolicyKind.LRU
     needs_future: bool = False  # whether victims() uses the ``future`` mask
+    counts_uses: bool = False  # whether touch() must maintain use_count (LFU)
 
     def __init__(self, capacity: int) -> None:
         self._tick = 0
@@ -36,7 +37,8 @@ class EvictionPolicy:
         """Record one batch's use of (N,) positions (duplicates allowed)."""
         self._tick += 1
         self.last_use[positions] = self._tick
-        self.use_count[positions] += 1
+        if self.counts_uses:
+            self.use_count[positions] += 1
 
     def insert(self, positions: np.ndarray) -> None:
         """(N,) positions now hold new rows: reset their history to "just used once"."""
@@ -89,6 +91,7 @@ class LfuPolicy(EvictionPolicy):
     """Fewest using batches first, least recently used among equals."""
 
     kind = PolicyKind.LFU
+    counts_uses = True
 
     def _sort_key(self, candidates: np.ndarray, future: np.ndarray | None) -> np.ndarray:
         count = np.minimum(self.use_count[candidates], (1 << (62 - _TICK_BITS)) - 1)

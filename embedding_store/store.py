@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
@@ -23,17 +23,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from embedding_store.config import MAX_ID, PolicyKind, StoreConfig, TableSpec, Tier
+from embedding_store.config import MAX_ID, StoreConfig, TableSpec, Tier
 from embedding_store.errors import StoreClosedError, StoreError
 from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats
 from embedding_store.tiered_table import PrefetchPlan, TieredTable
+from embedding_store.tiers import FutureIds
 from embedding_store.writer import WriteBehind
 
 __all__ = ["RowChunk", "TieredStore", "restore_snapshot"]
 
-_MAX_IN_FLIGHT = 64  # one pin bit per in-flight batch
 IdsLike = torch.Tensor | np.ndarray
 
 
@@ -49,12 +49,6 @@ class RowChunk(NamedTuple):
     ids: torch.Tensor
     weights: torch.Tensor
     state: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class _InFlight:
-    bit: int
-    slots: dict[str, np.ndarray]  # table -> (N,) slots pinned by the batch
 
 
 def _as_ids(ids: IdsLike) -> np.ndarray:
@@ -116,7 +110,9 @@ class TieredStore:
         self._idle = threading.Condition(self._lock)
         self._unlocked_reads = 0
         self._announced: dict[int, dict[str, np.ndarray]] = {}
-        self._in_flight: dict[int, _InFlight] = {}
+        self._announce_version = 0
+        self._future_cache: dict[tuple[str, int, int], np.ndarray | None] = {}
+        self._in_flight: dict[int, list[str]] = {}  # batch -> tables it pinned
         self._closed = False
 
     # --------------------------------------------------------------------------------- plumbing
@@ -136,13 +132,24 @@ class TieredStore:
         except KeyError:
             raise ValueError(f"unknown table {name!r}; tables are {sorted(self._tables)}") from None
 
-    def _future_ids(self, name: str, batch_id: int) -> np.ndarray | None:
-        """Ids of ``name`` used by the batch and the next L announced batches (LOOKAHEAD only)."""
-        if self.config.policy is not PolicyKind.LOOKAHEAD or not self._announced:
-            return None
-        window = sorted(b for b in self._announced if b >= batch_id)[: self.config.lookahead_batches + 1]
-        parts = [self._announced[b][name] for b in window if name in self._announced[b]]
-        return np.unique(np.concatenate(parts)) if parts else None
+    def _future(self, name: str, batch_id: int) -> FutureIds:
+        """Lazily: sorted ids of ``name`` used by the batch and the next L announced batches.
+
+        Computed only when a LOOKAHEAD tier must evict, and cached until the announcements change.
+        """
+
+        def future() -> np.ndarray | None:
+            key = (name, batch_id, self._announce_version)
+            if key not in self._future_cache:
+                window = sorted(b for b in self._announced if b >= batch_id)[
+                    : self.config.lookahead_batches + 1
+                ]
+                parts = [self._announced[b][name] for b in window if name in self._announced[b]]
+                self._future_cache.clear()
+                self._future_cache[key] = np.unique(np.concatenate(parts)) if parts else None
+            return self._future_cache[key]
+
+        return future
 
     # ------------------------------------------------------------------------------- batch API
     def bind(self, table: str, *, weights: torch.Tensor, state: torch.Tensor | None = None) -> None:
@@ -170,6 +177,7 @@ class TieredStore:
                 table.check_ids(arr)
                 announced[name] = np.unique(arr)
             self._announced[batch_id] = announced
+            self._announce_version += 1
 
     def prefetch(self, batch_id: int) -> None:
         """Read an announced batch's rows that are on no tier above LMDB into the host arena.
@@ -183,7 +191,7 @@ class TieredStore:
                 raise ValueError(f"batch {batch_id} was not announced with lookahead()")
             plans: dict[str, PrefetchPlan] = {}
             for name, ids in self._announced[batch_id].items():
-                plans[name] = self._tables[name].plan_prefetch(ids, self._future_ids(name, batch_id))
+                plans[name] = self._tables[name].plan_prefetch(ids, self._future(name, batch_id))
             self._unlocked_reads += 1
         reads: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         try:
@@ -196,7 +204,7 @@ class TieredStore:
                 for name, plan in plans.items():
                     if not self._closed:
                         self._tables[name].finish_prefetch(
-                            plan, reads.get(name), self._future_ids(name, batch_id)
+                            plan, reads.get(name), self._future(name, batch_id)
                         )
 
     def make_resident(self, batch_id: int, ids_per_table: Mapping[str, IdsLike]) -> dict[str, torch.Tensor]:
@@ -205,7 +213,7 @@ class TieredStore:
         Victims (unpinned slots chosen by the policy) are written back to the host tier first.
 
         Args:
-            batch_id: the batch; unique among batches in flight (at most 64 in flight).
+            batch_id: the batch; unique among batches in flight.
             ids_per_table: raw ids per table, any shape, duplicates allowed.
 
         Returns:
@@ -219,37 +227,34 @@ class TieredStore:
             self._check()
             if batch_id in self._in_flight:
                 raise ValueError(f"batch {batch_id} is already resident; release() it first")
-            used = {f.bit for f in self._in_flight.values()}
-            free_bits = [b for b in range(_MAX_IN_FLIGHT) if b not in used]
-            if not free_bits:
-                raise StoreError(f"more than {_MAX_IN_FLIGHT} batches in flight")
-            record = _InFlight(bit=free_bits[0], slots={})
+            pinned: list[str] = []
             out: dict[str, torch.Tensor] = {}
             try:
                 for name, ids in ids_per_table.items():
                     table = self._table(name)
                     arr = _as_ids(ids)
                     table.check_ids(arr)
-                    slots = table.make_resident(arr, record.bit, self._future_ids(name, batch_id))
-                    record.slots[name] = slots
+                    pinned.append(name)
+                    slots = table.make_resident(arr, batch_id, self._future(name, batch_id))
                     out[name] = torch.from_numpy(slots.copy()).view(tuple(ids.shape))  # caller may edit it
             except BaseException:
-                for name, slots in record.slots.items():
-                    self._tables[name].release(slots, record.bit)
+                for name in pinned:
+                    self._tables[name].release(batch_id)
                 raise
-            self._in_flight[batch_id] = record
+            self._in_flight[batch_id] = pinned
             return out
 
     def release(self, batch_id: int) -> None:
         """Unpin a batch's slots after its backward has updated them; forget its announcement."""
         with self._lock:
             self._check()
-            record = self._in_flight.pop(batch_id, None)
-            if record is None:
+            pinned = self._in_flight.pop(batch_id, None)
+            if pinned is None:
                 raise ValueError(f"batch {batch_id} is not resident")
-            for name, slots in record.slots.items():
-                self._tables[name].release(slots, record.bit)
+            for name in pinned:
+                self._tables[name].release(batch_id)
             self._announced.pop(batch_id, None)
+            self._announce_version += 1
 
     def evict(self, table: str, ids: IdsLike | None = None) -> int:
         """Write rows back from the device tier (to the host tier, whose dirty victims go to the

@@ -21,10 +21,14 @@ from embedding_store.errors import IdOutOfRangeError, StoreCapacityError, StoreE
 from embedding_store.init import init_rows
 from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.stats import TierStats
-from embedding_store.tiers import DeviceTier, HostTier
+from embedding_store.tiers import DeviceTier, FutureIds, HostTier
 from embedding_store.writer import WriteBehind
 
 __all__ = ["PrefetchPlan", "TieredTable"]
+
+
+def _no_future() -> np.ndarray | None:
+    return None
 
 
 @dataclass(slots=True)
@@ -124,54 +128,54 @@ class TieredTable:
         self._writer.submit(self.spec.name, ids[order], np.ascontiguousarray(rows[order]))
         self.stats[Tier.SSD].add_in(ids.shape[0], self.spec.row_bytes)
 
-    def _put_host(
-        self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future_ids: np.ndarray | None
-    ) -> None:
+    def _put_host(self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future: FutureIds) -> None:
         host = self.stats[Tier.HOST]
-        spill_ids, spill_rows, evicted = self.host.put(ids, rows, dirty=dirty, future_ids=future_ids)
+        spill_ids, spill_rows, evicted = self.host.put(ids, rows, dirty=dirty, future=future)
         host.evictions += evicted
         host.add_in(min(ids.shape[0], self.host.capacity), self.spec.row_bytes)
         self._spill(spill_ids, spill_rows)
 
     # ------------------------------------------------------------------------------- batch path
-    def make_resident(self, ids: np.ndarray, bit: int, future_ids: np.ndarray | None) -> np.ndarray:
-        """Make (N,) ids resident in the device tier and pin them with ``bit``; returns (N,) slots."""
+    def make_resident(self, ids: np.ndarray, key: int, future: FutureIds) -> np.ndarray:
+        """Make (N,) ids resident in the device tier and pin them for batch ``key``; returns (N,) slots."""
         device = self._bound()
         stats = self.stats[Tier.DEVICE]
         start = time.perf_counter()
         slots = device.lookup(ids)  # (N,)
         miss = slots < 0
-        hits = slots[~miss]
-        device.pin(hits, bit)  # before evicting, so this batch's own rows stay
-        stats.hits += hits.shape[0]
         if not miss.any():
+            device.pin(slots, key)
             device.policy.touch(slots)
+            stats.hits += slots.shape[0]
             stats.seconds += time.perf_counter() - start
             return slots
+        hits = slots[~miss]
+        stats.hits += hits.shape[0]
+        device.pin(hits, key)  # before evicting, so this batch's own rows stay
         miss_ids, inverse = np.unique(ids[miss], return_inverse=True)  # (M,), (#miss,)
         need = miss_ids.shape[0] - device.num_free
         candidates = device.evictable() if need > 0 else np.empty(0, dtype=np.int64)
         if need > candidates.shape[0]:
-            device.unpin(hits, bit)
+            device.unpin(key)
             raise StoreCapacityError(
                 f"table {self.spec.name!r}: batch needs {miss_ids.shape[0]} new slots, only "
                 f"{device.num_free + candidates.shape[0]} free or evictable of {device.capacity}"
             )
-        rows = self._fetch_up(miss_ids, future_ids)  # (M, R)
+        rows = self._fetch_up(miss_ids, future)  # (M, R)
         if need > 0:
-            victims = device.policy.victims(need, candidates, device.future_mask(candidates, future_ids))
-            self._evict_slots(victims, future_ids)
+            victims = device.policy.victims(need, candidates, device.future_mask(candidates, future))
+            self._evict_slots(victims, future)
         new_slots = device.allocate(miss_ids)
         device.write(new_slots, rows)
         stats.add_in(miss_ids.shape[0], self.spec.row_bytes)
         stats.misses += int(miss.sum())
         slots[miss] = new_slots[inverse]
-        device.pin(new_slots, bit)
+        device.pin(new_slots, key)
         device.policy.touch(slots)
         stats.seconds += time.perf_counter() - start
         return slots
 
-    def _evict_slots(self, victims: np.ndarray, future_ids: np.ndarray | None) -> None:
+    def _evict_slots(self, victims: np.ndarray, future: FutureIds) -> None:
         """Write (K,) unpinned slots back to the host tier (dirty) and free them."""
         device = self._bound()
         stats = self.stats[Tier.DEVICE]
@@ -182,7 +186,7 @@ class TieredTable:
             plan.moved_down.append(victim_ids)
         stats.evictions += victims.shape[0]
         stats.add_out(victims.shape[0], self.spec.row_bytes)
-        self._put_host(victim_ids, victim_rows, dirty=True, future_ids=future_ids)
+        self._put_host(victim_ids, victim_rows, dirty=True, future=future)
 
     def evict(self, ids: np.ndarray | None) -> int:
         """Write rows back from the device tier and free their slots: ``ids`` (absent ones are
@@ -193,12 +197,12 @@ class TieredTable:
         else:
             slots = device.lookup(np.unique(ids))
             victims = slots[slots >= 0]
-            if (device.pins[victims] != 0).any():
+            if device.pinned_mask()[victims].any():
                 raise ValueError(f"table {self.spec.name!r}: cannot evict rows pinned by an in-flight batch")
-        self._evict_slots(victims, None)
+        self._evict_slots(victims, _no_future)
         return int(victims.shape[0])
 
-    def _fetch_up(self, ids: np.ndarray, future_ids: np.ndarray | None) -> np.ndarray:
+    def _fetch_up(self, ids: np.ndarray, future: FutureIds) -> np.ndarray:
         """(M,) sorted unique ids absent from the device -> (M, R) latest rows, taken out of the host."""
         host = self.stats[Tier.HOST]
         rows = np.empty((ids.shape[0], self.spec.row_floats), dtype=np.float32)
@@ -214,12 +218,13 @@ class TieredTable:
             self._read_below_host(ids, rows, ~in_host, count=True)
         return rows
 
-    def release(self, slots: np.ndarray, bit: int) -> None:
-        """Clear pin ``bit`` on a batch's slots."""
-        self._bound().unpin(slots, bit)
+    def release(self, key: int) -> None:
+        """Drop the pins of batch ``key``."""
+        if self.device is not None:
+            self.device.unpin(key)
 
     # --------------------------------------------------------------------------------- prefetch
-    def plan_prefetch(self, ids: np.ndarray, future_ids: np.ndarray | None) -> PrefetchPlan:
+    def plan_prefetch(self, ids: np.ndarray, future: FutureIds) -> PrefetchPlan:
         """Step 1 (locked): pending rows go to the host now; returns the ids left for an LMDB read."""
         absent = self.host.lookup(ids) < 0
         if self.device is not None:
@@ -227,24 +232,26 @@ class TieredTable:
         todo = ids[absent]
         found, pending = self._writer.lookup(self.spec.name, todo)
         if found.any():
-            self._put_host(todo[found], pending, dirty=False, future_ids=future_ids)
+            self._put_host(todo[found], pending, dirty=False, future=future)
             self.stats[Tier.SSD].hits += int(found.sum())
         plan = PrefetchPlan(ids=todo[~found])
         self._plans.append(plan)
         return plan
 
     def finish_prefetch(
-        self, plan: PrefetchPlan, read: tuple[np.ndarray, np.ndarray] | None, future_ids: np.ndarray | None
+        self, plan: PrefetchPlan, read: tuple[np.ndarray, np.ndarray] | None, future: FutureIds
     ) -> None:
         """Step 3 (locked): put the rows read in step 2 into the host, unless a newer copy appeared."""
         self._plans.remove(plan)
         if read is None or plan.ids.shape[0] == 0:
             return
         on_disk, disk_rows = read
-        rows = np.empty((plan.ids.shape[0], self.spec.row_floats), dtype=np.float32)
-        rows[on_disk] = disk_rows
-        fresh = ~on_disk
-        rows[fresh] = self._init(plan.ids[fresh])
+        if on_disk.all():  # the common case: no copy of the rows read
+            rows = disk_rows
+        else:
+            rows = np.empty((plan.ids.shape[0], self.spec.row_floats), dtype=np.float32)
+            rows[on_disk] = disk_rows
+            rows[~on_disk] = self._init(plan.ids[~on_disk])
         # Drop rows that another call brought up meanwhile, or that went down (their LMDB copy we
         # read may be older than what the writer now holds).
         keep = self.host.lookup(plan.ids) < 0
@@ -253,10 +260,14 @@ class TieredTable:
         if plan.moved_down:
             keep &= ~np.isin(plan.ids, np.concatenate(plan.moved_down))
         ssd = self.stats[Tier.SSD]
-        ssd.hits += int(on_disk.sum())
-        ssd.misses += int(fresh.sum())
-        ssd.add_out(int(on_disk.sum()), self.spec.row_bytes)
-        self._put_host(plan.ids[keep], rows[keep], dirty=False, future_ids=future_ids)
+        found = int(on_disk.sum())
+        ssd.hits += found
+        ssd.misses += plan.ids.shape[0] - found
+        ssd.add_out(found, self.spec.row_bytes)
+        if keep.all():
+            self._put_host(plan.ids, rows, dirty=False, future=future)
+        else:
+            self._put_host(plan.ids[keep], rows[keep], dirty=False, future=future)
 
     def read_plan(self, plan: PrefetchPlan) -> tuple[np.ndarray, np.ndarray]:
         """Step 2 (unlocked): the LMDB read of a plan."""

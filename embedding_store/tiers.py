@@ -6,6 +6,8 @@ array, a free-position stack and an eviction policy, and move packed float32 row
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -14,7 +16,9 @@ from embedding_store.index import make_id_map
 from embedding_store.memory import empty_host, to_device, to_host
 from embedding_store.policies import make_policy
 
-__all__ = ["DeviceTier", "HostTier"]
+__all__ = ["DeviceTier", "FutureIds", "HostTier"]
+
+FutureIds = Callable[[], "np.ndarray | None"]  # lazily: sorted ids the next announced batches use
 
 
 class _Positions:
@@ -47,9 +51,12 @@ class _Positions:
         """(K,) ids held, unordered."""
         return self.ids[self.ids >= 0]
 
-    def future_mask(self, positions: np.ndarray, future_ids: np.ndarray | None) -> np.ndarray | None:
+    def future_mask(self, positions: np.ndarray, future: FutureIds) -> np.ndarray | None:
         """(K,) True where the row at a position is used by an announced upcoming batch."""
-        if future_ids is None or not self.policy.needs_future:
+        if not self.policy.needs_future:
+            return None
+        future_ids = future()
+        if future_ids is None:
             return None
         mark = np.zeros(self.capacity, dtype=bool)
         pos = self.map.lookup(future_ids)
@@ -103,7 +110,7 @@ class HostTier(_Positions):
         return rows
 
     def put(
-        self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future_ids: np.ndarray | None
+        self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future: FutureIds
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """Insert (N,) absent unique ids with (N, R) rows, evicting as needed.
 
@@ -121,7 +128,7 @@ class HostTier(_Positions):
         need = ids.shape[0] - self.num_free
         if need > 0:
             cand = self.occupied()
-            victims = self.policy.victims(need, cand, self.future_mask(cand, future_ids))
+            victims = self.policy.victims(need, cand, self.future_mask(cand, future))
             victim_ids = self.ids[victims]
             victim_dirty = self.dirty[victims]
             victim_rows = self.take(victims)
@@ -145,8 +152,9 @@ class DeviceTier(_Positions):
     """Slots of an externally owned slot table: its weights (S, D) and optimizer state, read and written
     in place (FBGEMM's ``split_embedding_weights()``/``split_optimizer_states()`` alias live storage).
 
-    Each slot carries a 64-bit pin mask, one bit per in-flight batch; a slot with any bit set is never
-    evicted or overwritten. Setting a bit is idempotent, so duplicate ids in a batch need no dedup.
+    Pins are kept per in-flight batch as the slot arrays it uses (duplicates allowed); a slot in any
+    of them is never evicted or overwritten. The pinned mask is derived only when evicting, so a
+    batch whose rows are all resident costs one lookup and no per-slot bookkeeping beyond the policy.
     """
 
     def __init__(
@@ -176,7 +184,7 @@ class DeviceTier(_Positions):
         self.weights = weights  # (S, D)
         self.state = state_2d  # (S, Z) or None
         self.dim = spec.dim
-        self.pins = np.zeros(num_slots, dtype=np.uint64)  # (S,) bit b = pinned by in-flight batch b
+        self._pins: dict[int, list[np.ndarray]] = {}  # in-flight batch -> slot arrays it pinned
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """(N,) slots -> (N, R) packed rows (weights then optimizer state), copied to the host."""
@@ -194,14 +202,22 @@ class DeviceTier(_Positions):
         if self.state is not None:
             self.state.index_copy_(0, index, src[:, self.dim :])
 
+    def pinned_mask(self) -> np.ndarray:
+        """(S,) True where an in-flight batch pinned the slot."""
+        mask = np.zeros(self.capacity, dtype=bool)
+        for arrays in self._pins.values():
+            for slots in arrays:
+                mask[slots] = True
+        return mask
+
     def evictable(self) -> np.ndarray:
         """(K,) occupied, unpinned slots."""
-        return np.flatnonzero((self.ids >= 0) & (self.pins == 0))
+        return np.flatnonzero((self.ids >= 0) & ~self.pinned_mask())
 
-    def pin(self, slots: np.ndarray, bit: int) -> None:
-        """Set pin ``bit`` on (N,) slots (duplicates allowed)."""
-        self.pins[slots] |= np.uint64(1 << bit)
+    def pin(self, slots: np.ndarray, key: int) -> None:
+        """Pin (N,) slots (duplicates allowed) for in-flight batch ``key``; the array must not change."""
+        self._pins.setdefault(key, []).append(slots)
 
-    def unpin(self, slots: np.ndarray, bit: int) -> None:
-        """Clear pin ``bit`` on (N,) slots (duplicates allowed)."""
-        self.pins[slots] &= ~np.uint64(1 << bit)
+    def unpin(self, key: int) -> None:
+        """Drop every pin of batch ``key``."""
+        self._pins.pop(key, None)

@@ -1,0 +1,344 @@
+"""Benchmark of embedding_store against raw baselines run side by side on the same keys.
+
+Prints the machine and versions, each measurement, and as its LAST line one JSON object of speed
+ratios (candidate speed / baseline speed, higher is better):
+
+- remap_vs_unique: ``make_resident`` (+ ``release``) of an all-hit batch of 400k Zipf ids (62-bit
+  hashed, unbounded table) vs ``torch.unique(ids, return_inverse=True)`` on the same ids.
+- ssd_read_vs_lmdb: ``prefetch`` of 10k rows that live only in LMDB vs raw py-lmdb ``getmulti`` of the
+  same keys (sorted, encoded) in another environment holding the same rows; both warm.
+- writeback_vs_lmdb: ``evict`` + ``wait_for_writes`` of 10k updated device rows (host tier of 0 rows,
+  so they go device -> writer -> LMDB) vs raw py-lmdb ``putmulti`` of the same rows in one transaction.
+- host_gather_vs_index_select: ``read_rows`` of 100k ids held by the host tier (id -> arena lookup and
+  gather) vs ``torch.index_select`` of the same rows from the same arena at known positions.
+
+``--scale`` instead runs a 2^62 id space with 30M touched rows (more than the host tier holds) through
+the store and reports the peak RSS against the host-tier budget.
+
+Usage: python benchmarks/bench_store.py [--scale] [--dir /tmp/bench_store] [--touched 30000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import torch
+
+from embedding_store import LmdbOptions, OptimizerKind, PolicyKind, StoreConfig, TableSpec, Tier, TieredStore
+from embedding_store.lmdb_backend import LmdbBackend, encode_keys
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+SPEC = TableSpec(name="t", dim=64, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)  # 260-byte rows
+LMDB_KW = {"map_size": 1 << 34, "subdir": True, "sync": False, "metasync": False, "readahead": False}
+
+
+def machine_info() -> dict[str, object]:
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "mem_gib": round(mem_gb, 1),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numpy": np.__version__,
+        "lmdb": lmdb.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def hashed(raw: np.ndarray) -> np.ndarray:
+    """Spread small ints over [0, 2^62): what a raw hashed id stream looks like."""
+    return ((raw.astype(np.uint64) * GOLDEN) >> np.uint64(2)).astype(np.int64)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def paired(
+    base: Callable[[], object], cand: Callable[[], object], reps: int
+) -> tuple[list[float], list[float]]:
+    """Alternate baseline and candidate runs, so that noise from a shared machine hits both alike."""
+    base_t, cand_t = [], []
+    for _ in range(reps):
+        base_t.append(timed(base))
+        cand_t.append(timed(cand))
+    return base_t, cand_t
+
+
+def report(name: str, base_t: list[float], cand_t: list[float], n: int) -> float:
+    """Median of the per-pair speed ratios (baseline time / candidate time)."""
+    ratio = statistics.median(b / c for b, c in zip(base_t, cand_t, strict=True))
+    base_s, cand_s = statistics.median(base_t), statistics.median(cand_t)
+    print(
+        f"{name}: baseline {base_s * 1e3:.2f} ms, store {cand_s * 1e3:.2f} ms (medians of {len(base_t)}), "
+        f"{n} items, median pair ratio {ratio:.2f}"
+    )
+    return ratio
+
+
+def bench_remap(root: Path) -> float:
+    rng = np.random.default_rng(0)
+    ids = hashed(rng.zipf(1.1, 400_000))  # (400k,)
+    ids_t = torch.from_numpy(ids)
+    num_unique = np.unique(ids).shape[0]
+    spec = TableSpec(name="t", dim=16, optimizer=OptimizerKind.EXACT_SGD)
+    config = StoreConfig(seed=0, device_capacity_rows=1 << 18, host_capacity_rows=0, policy=PolicyKind.LRU)
+    with TieredStore(root / "remap", config=config, tables=[spec]) as store:
+        store.bind("t", weights=torch.zeros(1 << 18, 16))
+        store.make_resident(0, {"t": ids_t})
+        store.release(0)
+        warm_misses = store.stats().tables["t"][Tier.DEVICE].misses
+        batch = iter(range(1, 1 << 30))
+
+        def remap() -> None:
+            b = next(batch)
+            store.make_resident(b, {"t": ids_t})
+            store.release(b)
+
+        base, cand = paired(lambda: torch.unique(ids_t, return_inverse=True), remap, 15)
+        misses = store.stats().tables["t"][Tier.DEVICE].misses - warm_misses
+        print(f"remap: {num_unique} unique ids; device misses after warm-up: {misses}")
+        store.close(flush=False)
+    return report("remap_vs_unique", base, cand, ids.shape[0])
+
+
+def populate(root: Path, num_rows: int, rng: np.random.Generator) -> tuple[np.ndarray, Path, Path]:
+    """The same ``num_rows`` rows in a store directory and in a raw LMDB environment."""
+    ids = np.unique(hashed(rng.integers(0, 1 << 40, size=num_rows)))
+    rows = rng.standard_normal((ids.shape[0], SPEC.row_floats)).astype(np.float32)
+    store_dir, raw_dir = root / "store", root / "raw"
+    options = LmdbOptions(initial_map_size_bytes=1 << 34)
+    store_dir.mkdir(parents=True)
+    with_backend = LmdbBackend(store_dir.absolute(), options=options, seed=0, tables=[SPEC])
+    with_backend.put_rows([("t", ids, rows)])
+    with_backend.close()
+    env = lmdb.open(str(raw_dir), max_dbs=2, **LMDB_KW)
+    db = env.open_db(b"t")
+    buf = memoryview(rows.tobytes())
+    with env.begin(write=True) as txn:
+        txn.cursor(db=db).putmulti(zip(encode_keys(ids), [buf[i : i + 260] for i in range(0, len(buf), 260)]))
+    env.close()
+    return ids, store_dir, raw_dir
+
+
+def warm(env: lmdb.Environment, db: object, ids: np.ndarray) -> None:
+    with env.begin(db=db) as txn:
+        txn.cursor().getmulti(encode_keys(ids))
+
+
+def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
+    rng = np.random.default_rng(1)
+    ids, store_dir, raw_dir = populate(root / "ssd", 200_000, rng)
+    env = lmdb.open(str(raw_dir), max_dbs=2, **LMDB_KW)
+    db = env.open_db(b"t")
+    warm(env, db, ids)
+    sets = [np.sort(s) for s in np.array_split(rng.permutation(ids)[:160_000], 16)]  # 16 disjoint 10k sets
+
+    def raw_read(keys_ids: np.ndarray) -> None:
+        with env.begin(db=db) as txn:
+            txn.cursor().getmulti(encode_keys(keys_ids))
+
+    config = StoreConfig(
+        seed=0,
+        device_capacity_rows=10_000,
+        host_capacity_rows=200_000,
+        lmdb=LmdbOptions(initial_map_size_bytes=1 << 34),
+    )
+    base_t, cand_t = [], []
+    with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
+        for b, chunk in enumerate(np.array_split(ids, 20)):  # warm the store's pages too
+            store.read_rows("t", chunk)
+        for b, keys in enumerate(sets):
+            store.lookahead(b, {"t": keys})
+            start = time.perf_counter()
+            raw_read(keys)
+            base_t.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            store.prefetch(b)
+            cand_t.append(time.perf_counter() - start)
+        assert store.stats().resident_rows["t"][Tier.HOST] == 160_000
+        store.close(flush=False)
+    ssd = report("ssd_read_vs_lmdb", base_t, cand_t, 10_000)
+
+    config = StoreConfig(
+        seed=0,
+        device_capacity_rows=10_000,
+        host_capacity_rows=0,
+        lmdb=LmdbOptions(initial_map_size_bytes=1 << 34, writer_batch_rows=1 << 16),
+    )
+    base_t, cand_t = [], []
+    with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
+        weights, state = torch.zeros(10_000, 64), torch.zeros(10_000)
+        store.bind("t", weights=weights, state=state)
+        for b, keys in enumerate(sets):
+            store.make_resident(b, {"t": keys})
+            weights += 1.0  # every resident row is updated in place, as training would
+            state += 1.0
+            store.release(b)
+            store.wait_for_writes()
+            rows = store.read_rows("t", keys)
+            packed = torch.cat([rows.weights, rows.state[:, None]], 1).numpy()
+            buf = memoryview(packed.tobytes())
+            start = time.perf_counter()
+            with env.begin(write=True) as txn:
+                pairs = zip(
+                    encode_keys(keys), [buf[i : i + 260] for i in range(0, len(buf), 260)], strict=True
+                )
+                txn.cursor(db=db).putmulti(pairs)
+            base_t.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            evicted = store.evict("t")
+            store.wait_for_writes()
+            cand_t.append(time.perf_counter() - start)
+            assert evicted == keys.shape[0]
+        store.close(flush=False)
+    env.close()
+    wb = report("writeback_vs_lmdb", base_t, cand_t, 10_000)
+    return ssd, wb
+
+
+def bench_host_gather(root: Path) -> float:
+    rng = np.random.default_rng(2)
+    ids, store_dir, _ = populate(root / "host", 200_000, rng)
+    config = StoreConfig(seed=0, device_capacity_rows=1024, host_capacity_rows=ids.shape[0])
+    with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
+        for b, chunk in enumerate(np.array_split(ids, 10)):
+            store.lookahead(b, {"t": chunk})
+            store.prefetch(b)
+        assert store.stats().resident_rows["t"][Tier.HOST] == ids.shape[0]
+        query = rng.choice(ids, size=100_000)  # (100k,) with repeats
+        # The baseline gathers the very same rows from the store's own arena (positions looked up untimed).
+        host = store._tables["t"].host  # noqa: SLF001 - benchmark-only peek at the arena
+        arena, positions = host.arena, torch.from_numpy(host.lookup(query))
+        base, cand = paired(
+            lambda: torch.index_select(arena, 0, positions), lambda: store.read_rows("t", query), 15
+        )
+        store.close(flush=False)
+    return report("host_gather_vs_index_select", base, cand, 100_000)
+
+
+def rss_kib() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(line.split()[1])
+    return out
+
+
+def scale(root: Path, touched: int) -> None:
+    """A 2^62 id space, ``touched`` rows, a host tier far smaller than that."""
+    spec = TableSpec(name="big", dim=32, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)  # 132-byte rows
+    device_rows, host_rows, batch_new, hot = 1 << 18, 4_000_000, 100_000, 50_000
+    config = StoreConfig(
+        seed=0,
+        device_capacity_rows=device_rows,
+        host_capacity_rows=host_rows,
+        policy=PolicyKind.LOOKAHEAD,
+        lmdb=LmdbOptions(initial_map_size_bytes=1 << 30, writer_max_pending_rows=1 << 19),
+    )
+    budget = host_rows * spec.row_bytes + device_rows * spec.row_bytes
+    rng = np.random.default_rng(3)
+    hot_ids = rng.integers(0, 1 << 62, size=hot)
+    num_batches = -(-touched // batch_new)
+    next_new = [0]
+
+    def batch_ids(b: int) -> np.ndarray:
+        new = rng.integers(0, 1 << 62, size=batch_new)  # fresh random 62-bit ids
+        next_new[0] += batch_new
+        return np.concatenate([new, rng.choice(hot_ids, size=batch_new // 2)])
+
+    start = time.perf_counter()
+    peak_anon = 0
+    with TieredStore(root / "scale", config=config, tables=[spec]) as store:
+        weights, state = torch.zeros(device_rows, 32), torch.zeros(device_rows)
+        store.bind("big", weights=weights, state=state)
+        pending = {0: batch_ids(0)}
+        store.lookahead(0, {"big": pending[0]})
+        store.prefetch(0)
+        for b in range(num_batches):
+            if b + 1 < num_batches:
+                pending[b + 1] = batch_ids(b + 1)
+                store.lookahead(b + 1, {"big": pending[b + 1]})
+                store.prefetch(b + 1)
+            slots = store.make_resident(b, {"big": pending.pop(b)})["big"]
+            uniq = slots.unique()
+            weights[uniq] += 1.0
+            state[uniq] += 1.0
+            store.release(b)
+            peak_anon = max(peak_anon, rss_kib()["RssAnon"])
+            if b % 25 == 0 or b == num_batches - 1:
+                s = store.stats()
+                print(
+                    f"batch {b}/{num_batches} {time.perf_counter() - start:.0f}s rss {rss_kib()} "
+                    f"lmdb rows {s.resident_rows['big'][Tier.SSD]} writer pending {s.writer_pending_rows}",
+                    flush=True,
+                )
+        store.flush()
+        stats = store.stats()
+        last_new = rng.integers(0, 1 << 62, size=0)
+        del last_new
+    elapsed = time.perf_counter() - start
+    rss = rss_kib()
+    print(f"scale: {num_batches} batches, {touched} new ids + {hot} hot ids, {elapsed:.0f} s")
+    print(
+        f"scale: rows in LMDB {stats.resident_rows['big'][Tier.SSD]}, map {stats.map_size_bytes / 2**30:.1f} GiB"
+    )
+    print(f"scale: tiers {stats.tables['big']}")
+    result = {
+        "peak_rss_gib": round(rss["VmHWM"] / 2**20, 3),
+        "peak_rss_anon_gib": round(peak_anon / 2**20, 3),
+        "host_budget_gib": round(budget / 2**30, 3),
+        "peak_rss_minus_budget_gib": round(rss["VmHWM"] / 2**20 - budget / 2**30, 3),
+        "touched_rows": touched + hot,
+        "seconds": round(elapsed, 1),
+    }
+    print(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=Path("/tmp/bench_store"), help="scratch directory (wiped)"
+    )
+    parser.add_argument("--scale", action="store_true", help="run the 2^62-id-space scale test instead")
+    parser.add_argument("--touched", type=int, default=30_000_000, help="new rows of the scale test")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    print(json.dumps(machine_info()))
+    try:
+        if args.scale:
+            scale(args.dir, args.touched)
+            return
+        ratios = {"remap_vs_unique": bench_remap(args.dir)}
+        ratios["ssd_read_vs_lmdb"], ratios["writeback_vs_lmdb"] = bench_ssd_and_writeback(args.dir)
+        ratios["host_gather_vs_index_select"] = bench_host_gather(args.dir)
+        print(json.dumps({k: round(v, 3) for k, v in ratios.items()}))
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
