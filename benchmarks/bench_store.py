@@ -131,7 +131,8 @@ def populate(root: Path, num_rows: int, rng: np.random.Generator) -> tuple[np.nd
     db = env.open_db(b"t")
     buf = memoryview(rows.tobytes())
     with env.begin(write=True) as txn:
-        txn.cursor(db=db).putmulti(zip(encode_keys(ids), [buf[i : i + 260] for i in range(0, len(buf), 260)]))
+        values = [buf[i : i + 260] for i in range(0, len(buf), 260)]
+        txn.cursor(db=db).putmulti(zip(encode_keys(ids), values, strict=True))
     env.close()
     return ids, store_dir, raw_dir
 
@@ -161,7 +162,7 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
     )
     base_t, cand_t = [], []
     with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
-        for b, chunk in enumerate(np.array_split(ids, 20)):  # warm the store's pages too
+        for chunk in np.array_split(ids, 20):  # warm the store's pages too
             store.read_rows("t", chunk)
         for b, keys in enumerate(sets):
             store.lookahead(b, {"t": keys})
