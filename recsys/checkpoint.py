@@ -132,6 +132,9 @@ def load_checkpoint(path: Path, *, dmp: Any, dense_optimizer: Any) -> int:
     payload = torch.load(path / f"rank_{rank}.pt", weights_only=True)
     _copy_into(dmp.state_dict(), payload["model"], "model")
     _copy_into(dmp.fused_optimizer.state_dict()["state"], payload["fused_optimizer"], "fused_optimizer")
+    # Optimizers such as Adam create their state lazily on the first step; a zero-gradient step creates it
+    # (leaving the parameters unchanged) so that the saved state can be loaded into it.
+    dense_optimizer.init_state()
     dense_optimizer.load_state_dict(payload["dense_optimizer"])
     torch.set_rng_state(payload["rng"])
     return int(payload["step"])
