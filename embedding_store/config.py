@@ -130,16 +130,23 @@ class LmdbOptions:
             killed process loses nothing already committed; an OS crash may lose or damage commits
             after the last ``flush()``, which always forces a sync.
         readahead: OS readahead on the data file; off suits random row reads.
-        writer_batch_rows: most rows the background writer puts in one transaction.
+        writer_batch_rows: most rows the background writer puts in one transaction. A write
+            transaction holds every page it dirties in memory until commit — up to one 4 KiB page per
+            row for random keys — so this bounds the writer's memory (32k rows: <= 128 MiB).
         writer_max_pending_rows: rows that may wait for the writer before callers block (memory bound).
+        unmap_every_rows: LMDB reads through a read-only mmap, so every page it touches counts toward
+            this process's RSS (as page cache, reclaimable, but visible). After this many rows read, the
+            backend drops the mapping's page-table entries (``MADV_DONTNEED``; the page cache stays) so
+            RSS tracks the tiers' budget rather than the file size. None keeps every touched page mapped.
     """
 
     initial_map_size_bytes: int = 1 << 30
     max_map_size_bytes: int | None = None
     sync: bool = False
     readahead: bool = False
-    writer_batch_rows: int = 1 << 17
-    writer_max_pending_rows: int = 1 << 20
+    writer_batch_rows: int = 1 << 15
+    writer_max_pending_rows: int = 1 << 19
+    unmap_every_rows: int | None = 1 << 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.initial_map_size_bytes, int) or self.initial_map_size_bytes < 1 << 16:
@@ -158,6 +165,12 @@ class LmdbOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LmdbOptions.{name} must be a positive int, got {value!r}")
+        if self.unmap_every_rows is not None and (
+            not isinstance(self.unmap_every_rows, int) or self.unmap_every_rows <= 0
+        ):
+            raise ValueError(
+                f"LmdbOptions.unmap_every_rows must be None or a positive int, got {self.unmap_every_rows!r}"
+            )
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

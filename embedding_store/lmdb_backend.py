@@ -13,8 +13,12 @@ no transaction open in this process, so reads and commits hold a shared lock and
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
+import mmap
+import os
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -52,6 +56,20 @@ def _map_error(err: lmdb.Error, what: str) -> StoreError:
     if isinstance(err, _CORRUPT):
         return StoreCorruptError(f"{what}: {err}")
     return StoreError(f"{what}: {err}")
+
+
+def _drop_mapped_pages(data_file: str) -> None:
+    """MADV_DONTNEED on this process's mappings of ``data_file``: LMDB maps it read-only and shared
+    (no writemap), so this only drops page-table entries; the next read re-faults from the page cache."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == data_file:
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                libc.madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), mmap.MADV_DONTNEED)
 
 
 def _table_meta(spec: TableSpec) -> dict[str, object]:
@@ -114,6 +132,8 @@ class LmdbBackend:
     def __init__(self, path: Path, *, options: LmdbOptions, seed: int, tables: Sequence[TableSpec]) -> None:
         self._options = options
         self._rw = _SharedExclusiveLock()
+        self._data_file = os.path.realpath(path / "data.mdb")
+        self._rows_since_unmap = 0
         self._row_bytes = {t.name: t.row_bytes for t in tables}
         try:
             self._env = lmdb.open(
@@ -194,6 +214,7 @@ class LmdbBackend:
         val_buf = b"".join([v for _, v in pairs])
         if len(val_buf) != len(pairs) * row_bytes:
             raise StoreCorruptError(f"table {table!r}: rows of unexpected size (want {row_bytes} bytes each)")
+        self._count_read(ids.shape[0])
         if len(pairs) == ids.shape[0]:
             found[:] = True
         else:
@@ -218,11 +239,21 @@ class LmdbBackend:
                             break
         except lmdb.Error as err:
             raise _map_error(err, f"scan of table {table!r} failed") from err
+        self._count_read(len(keys))
         val_buf = b"".join(vals)
         if len(val_buf) != len(vals) * row_bytes:
             raise StoreCorruptError(f"table {table!r}: rows of unexpected size (want {row_bytes} bytes each)")
         ids = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.int64)
         return ids, np.frombuffer(val_buf, dtype=np.float32).reshape(len(vals), row_bytes // 4)
+
+    def _count_read(self, rows: int) -> None:
+        every = self._options.unmap_every_rows
+        if every is None:
+            return
+        self._rows_since_unmap += rows
+        if self._rows_since_unmap >= every:
+            self._rows_since_unmap = 0
+            _drop_mapped_pages(self._data_file)
 
     def num_rows(self, table: str) -> int:
         """Rows stored for ``table``."""
@@ -247,6 +278,7 @@ class LmdbBackend:
                 with self._rw.shared(), self._env.begin(write=True) as txn:
                     for db, pairs in items:
                         txn.cursor(db=db).putmulti(pairs)
+                self._count_read(sum(len(pairs) for _, pairs in items))  # a write reads its path too
                 return
             except lmdb.MapFullError as err:
                 self._grow(err)

@@ -1,0 +1,86 @@
+"""One contract test run against every eviction policy, plus what makes each policy itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedding_store import PolicyKind
+from embedding_store.policies import make_policy
+
+ALL = list(PolicyKind)
+
+
+@pytest.mark.parametrize("kind", ALL)
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 64),
+    touches=st.lists(st.lists(st.integers(0, 63), max_size=10), max_size=8),
+    data=st.data(),
+)
+def test_contract_victims_are_distinct_candidates(kind, capacity, touches, data) -> None:
+    """Every policy: n distinct victims drawn from the candidates, deterministic, error past the end."""
+    policy = make_policy(kind, capacity)
+    policy.insert(np.arange(capacity))
+    for t in touches:
+        policy.touch(np.array([x % capacity for x in t], dtype=np.int64))
+    candidates = np.array(sorted(data.draw(st.sets(st.integers(0, capacity - 1)))), dtype=np.int64)
+    future = np.array(data.draw(st.lists(st.booleans(), min_size=len(candidates), max_size=len(candidates))))
+    n = data.draw(st.integers(0, len(candidates)))
+    victims = policy.victims(n, candidates, future)
+    assert victims.shape == (n,)
+    assert len(set(victims.tolist())) == n
+    assert set(victims.tolist()) <= set(candidates.tolist())
+    np.testing.assert_array_equal(policy.victims(n, candidates, future), victims)  # no hidden state
+    with pytest.raises(ValueError):
+        policy.victims(len(candidates) + 1, candidates, future)
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_contract_removed_and_reinserted_positions_count_as_new(kind) -> None:
+    policy = make_policy(kind, 4)
+    policy.insert(np.arange(4))
+    for _ in range(3):
+        policy.touch(np.array([0]))
+    policy.remove(np.array([0]))
+    policy.insert(np.array([0]))
+    policy.touch(np.array([1, 2, 3]))
+    # Position 0 now holds a new row used once, before 1..3 were used again: every policy evicts it.
+    assert policy.victims(1, np.arange(4)).tolist() == [0]
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    policy = make_policy(PolicyKind.LRU, 4)
+    policy.insert(np.arange(4))
+    for slot in [2, 0, 3, 1]:
+        policy.touch(np.array([slot]))
+    assert policy.victims(2, np.arange(4)).tolist() == [2, 0]
+
+
+def test_lfu_evicts_least_frequently_used_then_lru() -> None:
+    policy = make_policy(PolicyKind.LFU, 4)
+    policy.insert(np.arange(4))
+    policy.touch(np.array([0, 0, 0, 1]))  # duplicates in one batch count once
+    policy.touch(np.array([0, 1]))
+    policy.touch(np.array([3]))
+    # uses: 0 -> 3, 1 -> 3, 2 -> 1, 3 -> 2
+    assert policy.victims(2, np.arange(4)).tolist() == [2, 3]
+
+
+def test_lookahead_keeps_rows_of_announced_batches_then_lru() -> None:
+    policy = make_policy(PolicyKind.LOOKAHEAD, 4)
+    policy.insert(np.arange(4))
+    for slot in [0, 1, 2, 3]:
+        policy.touch(np.array([slot]))
+    future = np.array([True, False, True, False])  # slots 0 and 2 are needed soon
+    assert policy.victims(2, np.arange(4), future).tolist() == [1, 3]
+    assert policy.victims(3, np.arange(4), future).tolist() == [1, 3, 0]  # then LRU among the needed
+
+
+def test_large_candidate_sets_use_the_partition_path() -> None:
+    policy = make_policy(PolicyKind.LRU, 10_000)
+    policy.insert(np.arange(10_000))
+    policy.touch(np.arange(100, 10_000))
+    assert sorted(policy.victims(100, np.arange(10_000)).tolist()) == list(range(100))
