@@ -60,6 +60,8 @@ class StageSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"StageSpec.name must be a non-empty str, got {self.name!r}")
+        # a Stage member becomes its plain value, so metrics keys, trace rows and messages read "fill"
+        object.__setattr__(self, "name", str(self.name))
         if not callable(self.fn):
             raise ValueError(f"StageSpec.fn must be callable, got {self.fn!r}")
         if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 1:
@@ -100,6 +102,7 @@ class PipelineConfig:
             value = getattr(self, field)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"PipelineConfig.{field} must be a non-empty str, got {value!r}")
+            object.__setattr__(self, field, str(value))
         if self.source_name == self.consumer_name:
             raise ValueError(
                 f"PipelineConfig.source_name and consumer_name must differ, both are {self.source_name!r}"
