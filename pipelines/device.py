@@ -151,12 +151,14 @@ class DeviceContext:
 
 
 def _walk(obj: Any) -> Iterator[Any]:
-    """Yield the device tensors (and objects that record their own streams) inside ``obj``."""
+    """Yield the device tensors (and device objects that record their own streams) inside ``obj``.
+
+    Host data is skipped: ``record_stream`` is defined for CUDA memory only, and a batch passes through
+    stages while it still lives on the host (the loader, the host-to-device stage's input).
+    """
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "cuda":
             yield obj
-    elif hasattr(obj, "record_stream") and not isinstance(obj, type):
-        yield obj
     elif isinstance(obj, dict):
         for value in obj.values():
             yield from _walk(value)
@@ -164,5 +166,16 @@ def _walk(obj: Any) -> Iterator[Any]:
         for value in obj:
             yield from _walk(value)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # the fields, not the dataclass's own record_stream: some fields may still be on the host
         for field in dataclasses.fields(obj):
             yield from _walk(getattr(obj, field.name))
+    elif callable(getattr(obj, "record_stream", None)) and _device_type(obj) == "cuda":
+        yield obj  # e.g. a KeyedJaggedTensor: it knows its own tensors
+
+
+def _device_type(obj: Any) -> str | None:
+    """``obj.device`` (attribute or method, as KeyedJaggedTensor has it) as a type string, if any."""
+    dev = getattr(obj, "device", None)
+    if callable(dev):
+        dev = dev()
+    return dev.type if isinstance(dev, torch.device) else None

@@ -131,3 +131,33 @@ def test_cuda_sync_with_consumer_orders_fill_after_consumer_kernels():
     ctx.synchronize()
     for batch, mean in results:
         assert mean.item() == float(batch)
+
+
+def test_record_stream_walk_finds_device_data_only():
+    """Which objects would get ``record_stream`` on CUDA; CPU tensors never do (they have no streams)."""
+    import dataclasses
+
+    from pipelines.device import _walk
+
+    class FakeCudaKjt:
+        def device(self) -> torch.device:
+            return torch.device("cuda", 0)
+
+        def record_stream(self, stream) -> None:  # pragma: no cover - only found, never called here
+            pass
+
+    class FakeHostKjt(FakeCudaKjt):
+        def device(self) -> torch.device:
+            return torch.device("cpu")
+
+    @dataclasses.dataclass
+    class Batch:
+        dense: torch.Tensor
+        sparse: object
+
+        def record_stream(self, stream) -> None:  # pragma: no cover - fields are walked instead
+            raise AssertionError
+
+    kjt = FakeCudaKjt()
+    found = list(_walk({"a": [torch.ones(2), (kjt, FakeHostKjt())], "b": Batch(torch.ones(1), kjt), "c": 3}))
+    assert found == [kjt, kjt]
