@@ -252,6 +252,8 @@ class StagedPipeline:
         for edge in self._edges:
             edge.abort()
         self._end_consumer_step()
+        if self.mode is PipelineMode.SEQUENTIAL:
+            _close_iterator(self._iterator)  # PIPELINED: the source worker does it in its own thread
         for thread in self._threads:
             thread.join(self.config.join_timeout_s)
             if thread.is_alive():
@@ -330,12 +332,8 @@ class StagedPipeline:
         except BaseException as exc:  # noqa: BLE001 - any escape would leave the consumer waiting forever
             self._fail(name, batch, exc)
         finally:
-            close = getattr(self._iterator, "close", None)
-            if not exhausted and callable(close):
-                try:
-                    close()  # a generator source runs its cleanup in the thread that drove it
-                except Exception:
-                    log.exception("closing the pipeline source failed")
+            if not exhausted:
+                _close_iterator(self._iterator)  # a generator runs its cleanup in the thread that drove it
 
     def _stage_runner(self, k: int, spec: StageSpec) -> Any:
         def run() -> None:
@@ -374,3 +372,13 @@ class StagedPipeline:
                 self._fail(spec.name, batch, exc)
 
         return run
+
+
+def _close_iterator(iterator: Iterator[Any] | None) -> None:
+    """Let a source stopped mid-stream release what it holds (a generator's ``finally``, open files)."""
+    close = getattr(iterator, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            log.exception("closing the pipeline source failed")

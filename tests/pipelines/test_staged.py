@@ -210,8 +210,7 @@ def test_close_mid_stream_stops_every_worker_and_the_source(mode: PipelineMode):
             assert len(pipeline_threads()) == 4  # source + 3 stages
     assert got == [0, 1, 2, 3, 4]
     assert not pipeline_threads()
-    if mode is PipelineMode.PIPELINED:
-        assert closed.is_set()  # the source generator ran its cleanup
+    assert closed.is_set()  # the source generator ran its cleanup
     with pytest.raises(StopIteration):
         next(pipe)
 
