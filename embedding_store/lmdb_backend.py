@@ -201,6 +201,17 @@ class LmdbBackend:
             rows: (F, R) float32 rows of the found ids, in id order.
         """
         row_bytes = self._row_bytes[table]
+        step = self._options.unmap_every_rows or max(1, ids.shape[0])
+        if ids.shape[0] <= step:
+            return self._get_chunk(table, ids)
+        # Large reads go in chunks so that the mapped pages are dropped between them (bounded RSS).
+        parts = [self._get_chunk(table, ids[i : i + step]) for i in range(0, ids.shape[0], step)]
+        found = np.concatenate([f for f, _ in parts])
+        rows = np.concatenate([r for _, r in parts]) if parts else np.empty((0, row_bytes // 4), np.float32)
+        return found, rows
+
+    def _get_chunk(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        row_bytes = self._row_bytes[table]
         found = np.zeros(ids.shape[0], dtype=bool)
         if ids.shape[0] == 0:
             return found, np.empty((0, row_bytes // 4), dtype=np.float32)

@@ -84,25 +84,22 @@ class WriteBehind:
     def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Latest pending rows of (N,) ids: ((N,) bool found, (F, R) rows of the found ids in query order)."""
         found = np.zeros(ids.shape[0], dtype=bool)
-        src = np.full(ids.shape[0], -1, dtype=np.int64)
-        parts: list[np.ndarray] = []
         with self._cond:
             entries = [e for e in self._pending if e.table == table]
-        offset = 0
+        out: np.ndarray | None = None
         for entry in reversed(entries):  # newest first
-            if found.all():
-                break
             pos = np.searchsorted(entry.ids, ids).clip(max=entry.ids.shape[0] - 1)
             hit = ~found & (entry.ids[pos] == ids)
-            src[hit] = pos[hit] + offset
-            found |= hit
-            parts.append(entry.rows)
-            offset += entry.rows.shape[0]
-        if not found.any():
+            if hit.any():
+                if out is None:
+                    out = np.empty((ids.shape[0], entry.rows.shape[1]), dtype=np.float32)
+                out[hit] = entry.rows[pos[hit]]
+                found |= hit
+                if found.all():
+                    break
+        if out is None:
             return found, np.empty((0, 0), dtype=np.float32)
-        if len(parts) == 1:
-            return found, parts[0][src[found]]
-        return found, np.concatenate(parts)[src[found]]
+        return found, out[found]
 
     def pending_ids(self, table: str) -> np.ndarray:
         """(K,) ids of ``table`` waiting to be committed (may repeat)."""

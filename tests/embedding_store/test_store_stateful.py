@@ -176,6 +176,19 @@ class StoreMachine(RuleBasedStateMachine):
         del self.in_flight[batch]
         del self.announced[batch]
 
+    @rule(
+        name=st.sampled_from([t.name for t in TABLES]),
+        picks=st.none() | st.lists(st.integers(0, 23), max_size=4),
+    )
+    def evict(self, name, picks):
+        """Write unpinned rows back to the lower tiers on demand."""
+        pinned = {i for b in self.in_flight for i in self.announced[b][name]}
+        if picks is None:
+            self.store.evict(name)
+            return
+        ids = [ID_POOL[name][p] for p in picks if ID_POOL[name][p] not in pinned]
+        self.store.evict(name, np.array(ids, dtype=np.int64))
+
     @rule()
     def flush(self):
         self.store.flush()
