@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,20 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def save_checkpoint(root: Path, *, step: int, dmp: Any, dense_optimizer: Any, keep: int) -> Path:
-    """Write this rank's part of the checkpoint after ``step`` steps; collective over all ranks."""
+def save_checkpoint(
+    root: Path,
+    *,
+    step: int,
+    dmp: Any,
+    dense_optimizer: Any,
+    keep: int,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write this rank's part of the checkpoint after ``step`` steps; collective over all ranks.
+
+    ``extra(path)`` writes more of this rank's state into the checkpoint directory (the tiered store's
+    snapshot) before the checkpoint is marked complete.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     path = _step_dir(root, step)
@@ -91,6 +104,8 @@ def save_checkpoint(root: Path, *, step: int, dmp: Any, dense_optimizer: Any, ke
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / f"rank_{rank}.pt")
+    if extra is not None:
+        extra(path)
     if world > 1:
         dist.barrier()
     if rank == 0:

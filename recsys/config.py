@@ -26,6 +26,7 @@ from recsys.data.synthetic import SyntheticConfig
 from recsys.errors import UserError
 from recsys.models import ModelConfig
 from recsys.sparse import SparseConfig
+from recsys.store_config import PipelineSection, StoreSection
 from recsys.train_config import EvalConfig, TrainConfig
 
 __all__ = ["ConfigError", "RunConfig", "config_from_dict", "config_to_dict", "load_config", "parse_override"]
@@ -43,6 +44,8 @@ class RunConfig:
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     sparse: SparseConfig = dataclasses.field(default_factory=SparseConfig)
+    store: StoreSection = dataclasses.field(default_factory=StoreSection)
+    pipeline: PipelineSection = dataclasses.field(default_factory=PipelineSection)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 

@@ -19,32 +19,40 @@ import torch.distributed as dist
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from tqdm import tqdm
 
+from pipelines import StagedPipeline
 from recsys.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from recsys.config import RunConfig, config_to_dict
 from recsys.data.batch import Batch
 from recsys.data.source import build_dataset
-from recsys.digest import model_digest
+from recsys.digest import dense_rows, model_digest
 from recsys.distributed import DistEnv, init_distributed
 from recsys.errors import UserError
 from recsys.metrics import MetricsLog, auc_logloss, write_json
 from recsys.models import TrainModel, build_model, table_configs
 from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
+from recsys.sparse import ShardingKind
+from recsys.tiered import EVAL, TieredTables, tiered_feed
 
 __all__ = ["run", "Trainer"]
 
 log = logging.getLogger("recsys")
 
 
-def _hash_into_table(batch: Batch, num_embeddings: list[int], id_spaces: list[int]) -> Batch:
-    """Fold ids of id spaces larger than their in-memory table into it (modulo, as hashed features do)."""
-    if all(s <= n for s, n in zip(id_spaces, num_embeddings, strict=True)):
+def _fold_ids(batch: Batch, modulus: list[int]) -> Batch:
+    """Fold each feature's ids into its in-memory table (modulo, as hashed features do); 0 keeps them."""
+    if not any(modulus):
         return batch
     kjt = batch.sparse
-    rows = torch.tensor(num_embeddings, dtype=torch.int64)
-    per_value = torch.repeat_interleave(rows, torch.tensor(kjt.length_per_key()))
-    values = torch.remainder(kjt.values(), per_value)
+    lengths = torch.tensor(kjt.length_per_key())
+    per_value = torch.repeat_interleave(torch.tensor(modulus, dtype=torch.int64), lengths)
+    values = kjt.values()
+    values = torch.where(per_value > 0, torch.remainder(values, per_value.clamp(min=1)), values)
     sparse = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths(), stride=kjt.stride())
     return Batch(dense=batch.dense, sparse=sparse, labels=batch.labels)
+
+
+# Batch ids of evaluation batches in the store, apart from training steps.
+EVAL_BATCH_BASE = 1 << 40
 
 
 class Trainer:
@@ -56,11 +64,20 @@ class Trainer:
         self.out_dir = out_dir
         cfg = config
         self.data = build_dataset(cfg.data, synthetic=cfg.synthetic, seed=cfg.train.seed)
-        self.id_spaces = self.data.id_spaces
-        self.num_embeddings = [min(s, cfg.sparse.max_rows_per_table) for s in self.id_spaces]
-        self.tables = table_configs(
-            self.data.feature_names, dim=cfg.model.table_dim, num_embeddings=self.num_embeddings
+        features = self.data.feature_names
+        tiered = self._tiered_features(features)
+        slot_rows = cfg.store.device_rows * (
+            env.world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
         )
+        num_embeddings = [
+            slot_rows if f in tiered else min(space, cfg.sparse.max_rows_per_table)
+            for f, space in zip(features, self.data.id_spaces, strict=True)
+        ]
+        self.fold = [
+            0 if f in tiered or space <= rows else rows
+            for f, space, rows in zip(features, self.data.id_spaces, num_embeddings, strict=True)
+        ]
+        self.tables = table_configs(features, dim=cfg.model.table_dim, num_embeddings=num_embeddings)
         torch.manual_seed(cfg.train.seed)
         model = TrainModel(
             build_model(cfg.model, self.tables, num_dense=self.data.num_dense, device=env.device)
@@ -70,19 +87,52 @@ class Trainer:
         self.optimizer = build_optimizer(self.dmp, cfg.train)
         self.dense_optimizer = self.optimizer.optimizers[1][1]
         self.step = 0
+        self.tiered: TieredTables | None = None
+        self.pipeline_stats: dict[str, Any] = {}
+        if tiered:
+            store_path = Path(cfg.store.path) if cfg.store.path else out_dir / "store"
+            self.tiered = TieredTables(
+                self.dmp,
+                self.tables,
+                tiered=[f"t_{f}" for f in features if f in tiered],
+                settings=(cfg.store, cfg.sparse, cfg.train.seed),
+                path=store_path,
+            )
+
+    def _tiered_features(self, features: list[str]) -> set[str]:
+        store = self.config.store
+        if not store.tiered:
+            return set()
+        unknown = sorted(set(store.tables) - set(features))
+        if unknown:
+            raise UserError(f"store.tables names unknown features {unknown}; features are {features}")
+        return set(store.tables) or set(features)
 
     # -- data -------------------------------------------------------------------------------------
 
-    def _batches(self, start: int, stop: int) -> Iterator[Batch]:
-        """Global steps [start, stop) of this rank, ids folded into in-memory tables where needed."""
+    def _source(self, start: int, stop: int) -> Iterator[tuple[int, Batch]]:
+        """``(step, batch)`` for global steps [start, stop) of this rank, ids folded where needed."""
         source = self.data.train_batches(
             rank=self.env.rank,
             world_size=self.env.world_size,
             batch_size=self.config.train.batch_size,
             start_step=start,
         )
-        for _, batch in zip(range(start, stop), source, strict=False):
-            yield _hash_into_table(batch, self.num_embeddings, self.id_spaces)
+        for step, batch in zip(range(start, stop), source, strict=False):
+            yield step, _fold_ids(batch, self.fold)
+
+    def _feed(self, start: int, stop: int) -> tuple[Iterator[Batch], StagedPipeline | None]:
+        """The batches TorchRec's pipeline consumes: as read, or through the nested tiered pipeline."""
+        if self.tiered is None:
+            return (batch for _, batch in self._source(start, stop)), None
+        feed = tiered_feed(
+            self.tiered,
+            self._source(start, stop),
+            settings=(self.config.pipeline, self.config.store.lookahead),
+            device=self.env.device,
+            rank=self.env.rank,
+        )
+        return iter(feed), feed
 
     # -- evaluation -------------------------------------------------------------------------------
 
@@ -97,11 +147,16 @@ class Trainer:
             pipeline.detach()
         self.dmp.eval()
         logits, labels = [], []
-        for batch in self.data.eval_batches(
+        batches = self.data.eval_batches(
             rank=self.env.rank, world_size=self.env.world_size, batch_size=self.config.eval.batch_size
-        ):
-            batch = _hash_into_table(batch, self.num_embeddings, self.id_spaces).to(self.env.device)
-            _, (_, out, lab) = self.dmp(batch)
+        )
+        for index, batch in enumerate(batches):
+            batch = _fold_ids(batch, self.fold)
+            if self.tiered is not None:
+                batch = self.tiered.remap(EVAL_BATCH_BASE + index, batch, channel=EVAL)
+            _, (_, out, lab) = self.dmp(batch.to(self.env.device))
+            if self.tiered is not None:
+                self.tiered.release(EVAL_BATCH_BASE + index)
             logits.append(out.cpu())
             labels.append(lab.cpu())
         self.dmp.train()
@@ -118,27 +173,68 @@ class Trainer:
     def checkpoint_root(self) -> Path:
         return self.out_dir / "checkpoints"
 
-    def resume(self) -> None:
-        path = latest_checkpoint(self.checkpoint_root)
-        if path is None:
-            raise UserError(f"--resume: no complete checkpoint under {self.checkpoint_root}")
-        self.step = load_checkpoint(path, dmp=self.dmp, dense_optimizer=self.dense_optimizer)
-        if self.env.is_main:
-            log.info("resumed from %s (step %d)", path, self.step)
+    def _store_snapshot(self, checkpoint: Path) -> Path:
+        return checkpoint / f"store_rank_{self.env.rank}"
+
+    def start(self, *, resume: bool) -> None:
+        """Restore the newest complete checkpoint (``resume``) or start fresh; open the tiered store."""
+        snapshot = None
+        if resume:
+            path = latest_checkpoint(self.checkpoint_root)
+            if path is None:
+                raise UserError(f"--resume: no complete checkpoint under {self.checkpoint_root}")
+            self.step = load_checkpoint(path, dmp=self.dmp, dense_optimizer=self.dense_optimizer)
+            snapshot = self._store_snapshot(path) if self.tiered is not None else None
+            if self.env.is_main:
+                log.info("resumed from %s (step %d)", path, self.step)
+        if self.tiered is not None:
+            self.tiered.open(snapshot=snapshot)
+
+    def close(self) -> None:
+        if self.tiered is not None:
+            self.tiered.close()
 
     def save(self) -> None:
+        tiered = self.tiered
         save_checkpoint(
             self.checkpoint_root,
             step=self.step,
             dmp=self.dmp,
             dense_optimizer=self.dense_optimizer,
             keep=self.config.train.keep_checkpoints,
+            extra=None if tiered is None else lambda path: tiered.snapshot(self._store_snapshot(path)),
         )
 
     def digest(self) -> str:
+        tiered = set() if self.tiered is None else set(self.tiered.names)
+        plain = [t for t in self.tables if t.name not in tiered]
+        rows = list(dense_rows(self.dmp, plain))
+        if self.tiered is not None:
+            rows += [(name, block) for name in self.tiered.names for block in self.tiered.local_rows(name)]
         return model_digest(
-            self.dmp, self.tables, seed=self.config.train.seed, init_scale=self.config.sparse.init_scale
+            self.dmp,
+            [t.name for t in self.tables],
+            rows,
+            seed=self.config.train.seed,
+            init_scale=self.config.sparse.init_scale,
         )
+
+    def tier_stats(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Per tiered table and tier, the store counters summed over ranks (collective)."""
+        mine = {} if self.tiered is None else self.tiered.stats()
+        parts = [mine]
+        if self.env.world_size > 1:
+            parts = [{} for _ in range(self.env.world_size)]
+            dist.all_gather_object(parts, mine)
+        total: dict[str, dict[str, dict[str, float]]] = {}
+        for part in parts:
+            for table, tiers in part.items():
+                for tier, counters in tiers.items():
+                    slot = total.setdefault(table, {}).setdefault(tier, {})
+                    for key, value in counters.items():
+                        if isinstance(value, int | float):
+                            slot[key] = slot.get(key, 0) + value
+        return total
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -156,7 +252,25 @@ class Trainer:
         pipeline = TrainPipelineSparseDist(
             self.dmp, self.optimizer, self.env.device, execute_all_batches=True
         )
-        batches = self._batches(self.step, tcfg.steps)
+        batches, feed = self._feed(self.step, tcfg.steps)
+        try:
+            return self._loop(pipeline, batches, feed, metrics)
+        finally:
+            if feed is not None:
+                feed.close()
+                if self.env.is_main and self.config.pipeline.trace_batches:
+                    feed.write_trace(self.out_dir / "trace.json")
+                self.pipeline_stats = feed.stats()
+
+    def _loop(
+        self,
+        pipeline: TrainPipelineSparseDist,
+        batches: Iterator[Batch],
+        feed: StagedPipeline | None,
+        metrics: MetricsLog,
+    ) -> dict[str, Any]:
+        cfg = self.config
+        tcfg = cfg.train
         bar = tqdm(
             total=tcfg.steps,
             initial=self.step,
@@ -173,6 +287,8 @@ class Trainer:
         while self.step < tcfg.steps:
             t0 = time.perf_counter()
             loss, _, _ = pipeline.progress(batches)
+            if self.tiered is not None:
+                self.tiered.release(self.step)  # its backward and optimizer step are done
             train_time += time.perf_counter() - t0
             self.step += 1
             trained_samples += tcfg.batch_size
@@ -242,21 +358,25 @@ def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, 
                 config.sparse.sharding.value,
                 config.sparse.optimizer.value,
             )
-        if resume:
-            trainer.resume()
-        elif env.is_main:
+        if not resume and env.is_main:
             _start_fresh(out_dir)
         if env.world_size > 1:
             dist.barrier()
+        trainer.start(resume=resume)
         metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=env.is_main)
         summary = trainer.fit(metrics)
         digest = trainer.digest()
+        tiers = trainer.tier_stats()
+        trainer.close()
         summary.update(
             model=config.model.name.value,
             world_size=env.world_size,
             backend=env.backend,
             device=env.device.type,
             model_digest=digest,
+            tiered=trainer.tiered is not None,
+            tiers=tiers,
+            pipeline=trainer.pipeline_stats,
             wall_seconds=time.perf_counter() - started,
             resumed=resume,
             config=config_to_dict(config),

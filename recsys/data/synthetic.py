@@ -173,12 +173,18 @@ class SyntheticCriteo:
         return self.samples(np.arange(start, start + local, dtype=np.uint64), split=split)
 
     def eval_batches(self, *, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
-        """This rank's disjoint, contiguous share of the held-out split, in batches of ``batch_size``."""
+        """This rank's disjoint, contiguous share of the held-out split.
+
+        Every rank yields the same number of batches (collectives run once per batch), each of at most
+        ``batch_size`` samples; the shares together cover the whole split.
+        """
         total = self.config.eval_samples
         lo = total * rank // world_size
         hi = total * (rank + 1) // world_size
-        for start in range(lo, hi, batch_size):
-            yield self.samples(np.arange(start, min(hi, start + batch_size), dtype=np.uint64), split="eval")
+        largest = -(-total // world_size)
+        num_batches = max(1, -(-largest // batch_size))
+        for part in np.array_split(np.arange(lo, hi, dtype=np.uint64), num_batches):
+            yield self.samples(part, split="eval")
 
     def samples(self, index: np.ndarray, *, split: str = "train") -> Batch:
         """The samples with the given global indices (uint64) of a split."""

@@ -56,7 +56,9 @@ def test_bad_overrides_name_the_culprit(overrides, message):
 def test_unknown_section_in_file(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[trian]\nsteps = 3\n")
-    with pytest.raises(ConfigError, match=r"unknown config section \[trian\]; valid sections: data, synthetic, model"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config section \[trian\]; valid sections: data, synthetic, model"
+    ):
         load_config(path)
 
 

@@ -1,0 +1,352 @@
+"""Tiered tables inside TorchRec: slot tables sharded by DMP, rows in the store, ids routed to owners.
+
+For each tiered table the model holds an ordinary EmbeddingBagConfig whose ``num_embeddings`` is the
+slot capacity, sharded by DistributedModelParallel (table-wise: the whole slot table on one rank;
+row-wise: ``device_rows`` slots on every rank). Before TorchRec sees a batch its raw ids become slot ids:
+
+1. every rank deduplicates its batch's ids per tiered table (:meth:`TieredTables.route`);
+2. key routing: an all-to-all on its own process group sends each unique id to its owner (table-wise:
+   the rank holding the table; row-wise: a hash of the id), which announces them to its store;
+3. the owner prefetches the rows from LMDB into DRAM (:meth:`prefetch`), then makes them resident in its
+   local shard of the slot table and pins them (:meth:`fill`);
+4. a second all-to-all (another process group, so the two stages may run on different threads) returns
+   the slot ids — row-wise slots are offset into the owner's row block, so TorchRec's input distribution
+   sends each lookup back to its owner — and the rank rewrites its KJT values.
+
+After the batch's backward the owner releases its pins (:meth:`release`). Rows keep their optimizer
+state in the store, so training is bitwise identical to the untiered model.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embedding_store import (
+    OptimizerKind,
+    PolicyKind,
+    StoreConfig,
+    TableSpec,
+    TieredStore,
+    restore_snapshot,
+)
+from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
+from recsys.data.batch import Batch
+from recsys.sharding import local_shards
+from recsys.sparse import ShardingKind, SparseConfig, SparseOptimizer
+from recsys.store_config import PipelineSection, StoreSection
+
+__all__ = ["TieredTables", "RoutedBatch", "owner_of_ids", "tiered_feed"]
+
+_OPTIMIZER = {
+    SparseOptimizer.EXACT_SGD: OptimizerKind.EXACT_SGD,
+    SparseOptimizer.EXACT_ADAGRAD: OptimizerKind.EXACT_ADAGRAD,
+    SparseOptimizer.EXACT_ROWWISE_ADAGRAD: OptimizerKind.EXACT_ROWWISE_ADAGRAD,
+}
+TRAIN, EVAL = "train", "eval"
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # as int64, for wrapping torch multiplies
+_M2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def owner_of_ids(ids: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Row-wise owner rank of each id: a mixing hash, so popular neighbouring ids spread over ranks."""
+    x = ids.clone()
+    x ^= (x >> 31) & ((1 << 33) - 1)
+    x *= _M1
+    x ^= (x >> 29) & ((1 << 35) - 1)
+    x *= _M2
+    x ^= (x >> 32) & ((1 << 32) - 1)
+    return torch.remainder(x, world_size)
+
+
+@dataclass
+class RoutedBatch:
+    """One batch between the routing and the fill stage.
+
+    ``inverse[t]`` maps each value of table t's feature to its unique id; ``perm[t]`` orders the unique ids
+    by destination rank; ``send_counts`` (W, T) and ``recv_counts`` (W, T) count ids per peer and table;
+    ``owner_ids[t]`` are the ids this rank owns, received from every peer in peer order.
+    """
+
+    batch_id: int
+    batch: Batch
+    channel: str
+    inverse: dict[str, torch.Tensor]
+    perm: dict[str, torch.Tensor]
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    owner_ids: dict[str, torch.Tensor]
+
+
+class TieredTables:
+    """The tiered tables of one rank: its store, its slot shards and the key routing.
+
+    Args:
+        dmp: the sharded model; the local shards of the tiered slot tables are bound to the store.
+        tables: every table config of the model (tiered ones have ``num_embeddings`` = slot capacity).
+        tiered: names of the tiered tables (one feature each, ``t_<feature>``).
+        settings: ``(store section, sparse section, seed)``.
+        path: this job's store directory; rank r keeps its LMDB in ``path/rank_r``.
+    """
+
+    def __init__(
+        self,
+        dmp: DistributedModelParallel,
+        tables: list[EmbeddingBagConfig],
+        *,
+        tiered: list[str],
+        settings: tuple[StoreSection, SparseConfig, int],
+        path: Path,
+    ) -> None:
+        store_cfg, sparse, seed = settings
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.row_wise = sparse.sharding is ShardingKind.ROW_WISE
+        self.names = list(tiered)
+        self.feature = {t.name: t.feature_names[0] for t in tables if t.name in tiered}
+        configs = {t.name: t for t in tables if t.name in tiered}
+        shards = {s.table: s for s in local_shards(dmp, [configs[n] for n in self.names])}
+        self.row_offset = {name: shard.row_offset for name, shard in shards.items()}
+        owners: list[list[str]] = [sorted(shards)]
+        if self.world_size > 1:
+            owners = [[] for _ in range(self.world_size)]
+            dist.all_gather_object(owners, sorted(shards))
+            # Own groups: collectives of key routing never interleave with TorchRec's; the routing and
+            # fill stages of training batches each run on their own thread, and evaluation batches are
+            # remapped on the main thread while those threads may be busy with later training batches.
+            route_pg, fill_pg, eval_pg = (dist.new_group(backend="gloo") for _ in range(3))
+            self._groups = {TRAIN: (route_pg, fill_pg), EVAL: (eval_pg, eval_pg)}
+        self.table_owner = {name: r for r, names in enumerate(owners) for name in names}
+        self.path = path / f"rank_{self.rank}"
+        self.store: TieredStore | None = None
+        if shards:
+            specs = [
+                TableSpec(
+                    name=name,
+                    dim=configs[name].embedding_dim,
+                    optimizer=_OPTIMIZER[sparse.optimizer],
+                    init_scale=sparse.init_scale,
+                    device_capacity_rows=shards[name].weight.shape[0],
+                )
+                for name in sorted(shards)
+            ]
+            self._store_args = dict(
+                config=StoreConfig(
+                    seed=seed,
+                    device_capacity_rows=store_cfg.device_rows,
+                    host_capacity_rows=store_cfg.host_rows,
+                    policy=PolicyKind[store_cfg.policy.name],
+                    lookahead_batches=store_cfg.lookahead,
+                ),
+                tables=specs,
+            )
+            self._shards = shards
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def open(self, *, snapshot: Path | None = None) -> None:
+        """Open this rank's store: empty for a fresh run, or restored from a checkpoint's snapshot."""
+        if not hasattr(self, "_store_args"):
+            return
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        if snapshot is not None:
+            restore_snapshot(snapshot, self.path)
+        self.store = TieredStore(self.path, **self._store_args)
+        for name, shard in self._shards.items():
+            # `.data`: the fill stage writes slots of later batches while autograd holds the table for the
+            # current batch's backward. Those rows are disjoint from the current batch's (pins), so the
+            # writes must not bump the version counter that autograd checks.
+            state = None if shard.state is None else shard.state.data
+            self.store.bind(name, weights=shard.weight.data, state=state)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def snapshot(self, dest: Path) -> None:
+        """Flush and copy this rank's store into ``dest`` (part of a checkpoint)."""
+        if self.store is not None:
+            self.store.snapshot(dest)
+
+    # -- the stages of one batch ------------------------------------------------------------------
+
+    def _values_by_feature(self, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
+        return dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()), strict=True))
+
+    def _destinations(self, name: str, uniq: torch.Tensor) -> torch.Tensor:
+        if self.row_wise:
+            return owner_of_ids(uniq, self.world_size)
+        return torch.full_like(uniq, self.table_owner[name])
+
+    def route(self, batch_id: int, batch: Batch, *, channel: str = TRAIN) -> RoutedBatch:
+        """Deduplicate the batch's ids per tiered table and send each unique id to its owner.
+
+        ``channel`` (``train`` or ``eval``) picks the process groups: each channel's collectives are
+        issued in the same order on every rank.
+        """
+        values = self._values_by_feature(batch.sparse)
+        w, n_tables = self.world_size, len(self.names)
+        inverse, perm, send_parts = {}, {}, []
+        send_counts = torch.zeros(w, n_tables, dtype=torch.int64)
+        for t, name in enumerate(self.names):
+            uniq, inv = torch.unique(values[self.feature[name]], return_inverse=True)
+            dest = self._destinations(name, uniq)
+            order = torch.argsort(dest, stable=True)
+            inverse[name], perm[name] = inv, order
+            send_counts[:, t] = torch.bincount(dest, minlength=w)
+            send_parts.append(torch.split(uniq[order], send_counts[:, t].tolist()))
+        send = torch.cat([send_parts[t][d] for d in range(w) for t in range(n_tables)]) if n_tables else None
+        if w > 1:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self._groups[channel][0])
+            recv = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
+            dist.all_to_all_single(
+                recv,
+                send,
+                recv_counts.sum(1).tolist(),
+                send_counts.sum(1).tolist(),
+                group=self._groups[channel][0],
+            )
+        else:
+            recv_counts, recv = send_counts, send
+        owner_ids = {}
+        if recv is not None:
+            pieces = torch.split(recv, recv_counts.reshape(-1).tolist())  # peer-major, table-minor
+            for t, name in enumerate(self.names):
+                if name in self.row_offset:
+                    owner_ids[name] = torch.cat([pieces[s * n_tables + t] for s in range(w)])
+        return RoutedBatch(batch_id, batch, channel, inverse, perm, send_counts, recv_counts, owner_ids)
+
+    def announce(self, routed: RoutedBatch) -> None:
+        """Tell the store which rows this batch will need (lookahead and prefetch planning)."""
+        if self.store is not None:
+            self.store.lookahead(routed.batch_id, routed.owner_ids)
+
+    def prefetch(self, routed: RoutedBatch) -> None:
+        """Read the batch's rows that only LMDB holds into host DRAM."""
+        if self.store is not None:
+            self.store.prefetch(routed.batch_id)
+
+    def fill(self, routed: RoutedBatch) -> Batch:
+        """Make the batch's rows resident and pinned, return slot ids to their senders, rewrite the KJT."""
+        w, n_tables = self.world_size, len(self.names)
+        slots: dict[str, torch.Tensor] = {}
+        if self.store is not None:
+            local = self.store.make_resident(routed.batch_id, routed.owner_ids)
+            slots = {name: s + self.row_offset[name] for name, s in local.items()}
+        back_parts: list[torch.Tensor] = []
+        if n_tables:
+            for s in range(w):
+                for t, name in enumerate(self.names):
+                    count = int(routed.recv_counts[s, t])
+                    if count:
+                        start = int(routed.recv_counts[:s, t].sum())
+                        back_parts.append(slots[name][start : start + count])
+        if w > 1:
+            back = torch.cat(back_parts) if back_parts else torch.empty(0, dtype=torch.int64)
+            got = torch.empty(int(routed.send_counts.sum()), dtype=torch.int64)
+            dist.all_to_all_single(
+                got,
+                back,
+                routed.send_counts.sum(1).tolist(),
+                routed.recv_counts.sum(1).tolist(),
+                group=self._groups[routed.channel][1],
+            )
+        else:
+            got = torch.cat(back_parts) if back_parts else torch.empty(0, dtype=torch.int64)
+        pieces = torch.split(got, routed.send_counts.reshape(-1).tolist())  # dest-major, table-minor
+        kjt = routed.batch.sparse
+        values = self._values_by_feature(kjt)
+        for t, name in enumerate(self.names):
+            sorted_slots = torch.cat([pieces[d * n_tables + t] for d in range(w)])
+            uniq_slots = torch.empty_like(sorted_slots)
+            uniq_slots[routed.perm[name]] = sorted_slots
+            values[self.feature[name]] = uniq_slots[routed.inverse[name]]
+        sparse = KeyedJaggedTensor(
+            keys=kjt.keys(),
+            values=torch.cat([values[k] for k in kjt.keys()]),
+            lengths=kjt.lengths(),
+            stride=kjt.stride(),
+        )
+        return Batch(dense=routed.batch.dense, sparse=sparse, labels=routed.batch.labels)
+
+    def release(self, batch_id: int) -> None:
+        """Unpin a batch's rows after its backward and optimizer step."""
+        if self.store is not None:
+            self.store.release(batch_id)
+
+    def remap(self, batch_id: int, batch: Batch, *, channel: str = TRAIN) -> Batch:
+        """All stages of one batch in sequence (no overlap)."""
+        routed = self.route(batch_id, batch, channel=channel)
+        self.announce(routed)
+        self.prefetch(routed)
+        return self.fill(routed)
+
+    # -- read-through -----------------------------------------------------------------------------
+
+    def local_rows(self, name: str) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Every row of ``name`` this rank's store holds, ascending ids, in bounded chunks."""
+        if self.store is None or name not in self.row_offset:
+            return
+        for chunk in self.store.iter_rows(name):
+            yield chunk.ids, chunk.weights, chunk.state
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        """Per table and tier counters of this rank's store (JSON-ready)."""
+        if self.store is None:
+            return {}
+        raw = self.store.stats()
+        return {
+            name: {tier.value: _stats_dict(s) for tier, s in tiers.items()}
+            for name, tiers in raw.tables.items()
+        }
+
+
+def _stats_dict(stats: object) -> dict[str, object]:
+    fields = getattr(stats, "__dataclass_fields__", {})
+    return {k: getattr(stats, k) for k in fields}
+
+
+def tiered_feed(
+    tables: TieredTables,
+    source: Iterable[tuple[int, Batch]],
+    *,
+    settings: tuple[PipelineSection, int],
+    device: torch.device,
+    rank: int,
+) -> StagedPipeline:
+    """The nested pipeline's inter-batch stages for tiered tables, over ``(step, batch)`` items.
+
+    load (the source worker) → route (key routing, announce) → prefetch (SSD → DRAM) → fill (slots, pins,
+    remap). The routing stage runs up to ``lookahead`` batches ahead, so the store sees that many future
+    batches when it picks victims; the fill stage runs one batch ahead of the consumer, whose pins (and
+    TorchRec's own two batches in flight) keep every slot in use out of its reach.
+    """
+    section, lookahead = settings
+
+    def route(item: tuple[int, Batch]) -> RoutedBatch:
+        routed = tables.route(*item)
+        tables.announce(routed)
+        return routed
+
+    def prefetch(routed: RoutedBatch) -> RoutedBatch:
+        tables.prefetch(routed)
+        return routed
+
+    stages = [
+        StageSpec(name=Stage.ROUTE, fn=route, capacity=max(1, lookahead - 1)),
+        StageSpec(name=Stage.PREFETCH, fn=prefetch, capacity=1),
+        StageSpec(name=Stage.FILL, fn=tables.fill, capacity=1, sync_with_consumer=True),
+    ]
+    config = PipelineConfig(mode=section.mode, source_name=Stage.LOAD, trace_batches=section.trace_batches)
+    return StagedPipeline(source, stages, config=config, device=DeviceContext(device), rank=rank)
