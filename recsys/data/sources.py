@@ -1,0 +1,283 @@
+"""Row sources: one pass over a split's rows as a stream of :class:`Block`, with bounded memory.
+
+A source knows how many rows it has and can start a pass after any number of rows (the data position
+of a resumed run). Text is read in chunks of whole lines and parsed by a small pool of threads (numpy
+releases the GIL), results kept in file order; npy files are memory-mapped; Parquet is read by row
+group; small data sets live in memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from recsys.data.block import Block, Jagged
+from recsys.data.text import Issues, OnError, count_lines, iter_chunks, log_issues
+
+__all__ = ["RowSource", "TextSource", "NpySource", "MemorySource", "ParquetSource", "ChunkParser", "rebatch"]
+
+# (data, first line, issues) -> (block, order key or None)
+ChunkParser = Callable[[bytes, int, Issues], tuple[Block, np.ndarray | None]]
+
+
+class RowSource(Protocol):
+    def num_rows(self) -> int: ...
+
+    def blocks(self, *, skip_rows: int = 0) -> Iterator[Block]:
+        """One pass over the rows, starting after the first ``skip_rows``."""
+        ...
+
+
+class TextSource:
+    """Data lines ``[lo, hi)`` of text files read as one sequence (a header line per file is not data).
+
+    In the default ``raise`` mode every data line is a row, so skipping rows is counting newlines; with
+    ``skip`` malformed lines are dropped and counted, and rows are counted by parsing.
+    """
+
+    def __init__(
+        self,
+        files: list[Path],
+        parse: ChunkParser,
+        *,
+        header: bool,
+        on_error: OnError,
+        lines: tuple[int, int | None] = (0, None),
+        chunk_bytes: int = 4 << 20,
+        workers: int = 2,
+    ) -> None:
+        self.files = files
+        self.parse = parse
+        self.header = header
+        self.on_error = on_error
+        self.lo, self.hi = lines
+        self.chunk_bytes = chunk_bytes
+        self.workers = workers
+        self.issues = {str(p): Issues(str(p), on_error) for p in files}
+        self._line_counts: list[int] | None = None
+        self._rows: int | None = None
+
+    def line_counts(self) -> list[int]:
+        """Data lines of each file (counted once)."""
+        if self._line_counts is None:
+            self._line_counts = [max(0, count_lines(p) - self.header) for p in self.files]
+        return self._line_counts
+
+    def total_lines(self) -> int:
+        hi = sum(self.line_counts()) if self.hi is None else self.hi
+        return hi - self.lo
+
+    def num_rows(self) -> int:
+        if self._rows is None:
+            if self.on_error is OnError.RAISE:
+                self._rows = self.total_lines()
+            else:
+                self._rows = sum(b.num_rows for b in self.blocks())
+        return self._rows
+
+    def _chunks(self, lo: int, hi: int | None) -> Iterator[tuple[Path, bytes, int]]:
+        """Data lines [lo, hi) of the file sequence, as (file, chunk of whole lines, first line number)."""
+        base = 0
+        for k, path in enumerate(self.files):
+            if hi is not None and base >= hi:
+                return
+            count = self.line_counts()[k] if (lo > base or hi is not None) else None
+            if count is not None and lo >= base + count:
+                base += count
+                continue
+            skip = max(0, lo - base)
+            left = None if hi is None else min(hi, base + count) - base - skip  # type: ignore[operator]
+            for data, first in iter_chunks(path, chunk_bytes=self.chunk_bytes, skip_lines=skip + self.header):
+                if left is not None:
+                    n = data.count(b"\n")
+                    if n >= left:
+                        if left:
+                            at = int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)[left - 1])
+                            yield path, data[: at + 1], first
+                        left = 0
+                        break
+                    left -= n
+                yield path, data, first
+            if count is None:
+                return  # reading to the end of the last file needs no count
+            base += count
+
+    def _parsed(self, lo: int) -> Iterator[tuple[Block, np.ndarray | None]]:
+        """Parsed chunks in file order; ``workers`` threads parse ahead (bounded: 2 chunks per worker)."""
+        current: str | None = None
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            pending: deque[tuple[str, Future]] = deque()
+            chunks = self._chunks(lo, self.hi)
+            exhausted = False
+            while True:
+                while not exhausted and len(pending) < 2 * self.workers:
+                    item = next(chunks, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    path, data, first = item
+                    pending.append((str(path), pool.submit(self.parse, data, first, self.issues[str(path)])))
+                if not pending:
+                    break
+                path_s, fut = pending.popleft()
+                if current is not None and path_s != current:
+                    log_issues(self.issues[current])
+                current = path_s
+                try:
+                    yield fut.result()
+                except BaseException:
+                    for _, other in pending:
+                        other.cancel()
+                    raise
+        if current is not None:
+            log_issues(self.issues[current])
+
+    def blocks(self, *, skip_rows: int = 0) -> Iterator[Block]:
+        for block, _ in self.pairs(skip_rows=skip_rows):
+            yield block
+
+    def pairs(self, *, skip_rows: int = 0) -> Iterator[tuple[Block, np.ndarray | None]]:
+        """Blocks with their ``order_by`` keys."""
+        if self.on_error is OnError.RAISE:
+            yield from self._parsed(self.lo + skip_rows)
+            return
+        for block, order in self._parsed(self.lo):
+            if skip_rows >= block.num_rows:
+                skip_rows -= block.num_rows
+                continue
+            if skip_rows:
+                block = block.slice(skip_rows, block.num_rows)
+                order = None if order is None else order[skip_rows:]
+                skip_rows = 0
+            yield block, order
+
+    @property
+    def skipped(self) -> int:
+        return sum(i.skipped for i in self.issues.values())
+
+
+class NpySource:
+    """TorchRec's npy layout: ``<prefix>_dense.npy`` (N, D) float32 (already transformed),
+    ``<prefix>_sparse.npy`` (N, F) int ids, ``<prefix>_labels.npy`` (N,) or (N, 1); memory-mapped.
+    """
+
+    def __init__(
+        self, prefixes: list[Path], *, rows: tuple[int, int | None] = (0, None), chunk_rows: int = 65536
+    ):
+        self.parts = []
+        for p in prefixes:
+            arrays = []
+            for kind in ("dense", "sparse", "labels"):
+                path = Path(f"{p}_{kind}.npy")
+                arrays.append(np.load(path, mmap_mode="r"))
+            self.parts.append(tuple(arrays))
+        self.counts = [int(a[2].shape[0]) for a in self.parts]
+        self.lo, self.hi = rows[0], (sum(self.counts) if rows[1] is None else rows[1])
+        self.chunk_rows = chunk_rows
+
+    @property
+    def num_dense(self) -> int:
+        return int(self.parts[0][0].shape[1])
+
+    @property
+    def num_sparse(self) -> int:
+        return int(self.parts[0][1].shape[1])
+
+    def num_rows(self) -> int:
+        return self.hi - self.lo
+
+    def blocks(self, *, skip_rows: int = 0) -> Iterator[Block]:
+        lo = self.lo + skip_rows
+        base = 0
+        for (dense, sparse, labels), count in zip(self.parts, self.counts, strict=True):
+            a, b = max(lo, base) - base, min(self.hi, base + count) - base
+            for start in range(a, b, self.chunk_rows):
+                stop = min(b, start + self.chunk_rows)
+                ids = np.asarray(sparse[start:stop])
+                if ids.dtype == np.int32:  # TorchRec's shuffled files: 32-bit hex ids ≥ 2**31 wrapped
+                    ids = ids.view(np.uint32)
+                ids = ids.astype(np.int64)
+                yield Block(
+                    np.asarray(dense[start:stop], dtype=np.float32),
+                    tuple(Jagged.single(ids[:, j]) for j in range(ids.shape[1])),
+                    np.asarray(labels[start:stop], dtype=np.float32).reshape(-1),
+                )
+            base += count
+
+
+class MemorySource:
+    """Rows held in memory (small data sets, and any split that is sorted or shuffled)."""
+
+    def __init__(self, block: Block, *, chunk_rows: int = 65536) -> None:
+        self.block = block
+        self.chunk_rows = chunk_rows
+
+    def num_rows(self) -> int:
+        return self.block.num_rows
+
+    def blocks(self, *, skip_rows: int = 0) -> Iterator[Block]:
+        for start in range(skip_rows, self.block.num_rows, self.chunk_rows):
+            yield self.block.slice(start, min(self.block.num_rows, start + self.chunk_rows))
+
+
+class ParquetSource:
+    """Rows ``[lo, hi)`` of Parquet files, read a record batch at a time (needs pyarrow)."""
+
+    def __init__(
+        self,
+        files: list[Path],
+        convert: Callable[[object, int], tuple[Block, np.ndarray | None]],
+        *,
+        rows: tuple[int, int | None] = (0, None),
+        batch_rows: int = 65536,
+    ) -> None:
+        import pyarrow.parquet as pq
+
+        self.files = [pq.ParquetFile(p) for p in files]
+        self.counts = [f.metadata.num_rows for f in self.files]
+        self.convert = convert
+        self.lo, self.hi = rows[0], (sum(self.counts) if rows[1] is None else rows[1])
+        self.batch_rows = batch_rows
+
+    def num_rows(self) -> int:
+        return self.hi - self.lo
+
+    def pairs(self, *, skip_rows: int = 0) -> Iterator[tuple[Block, np.ndarray | None]]:
+        lo = self.lo + skip_rows
+        base = 0
+        for pf, count in zip(self.files, self.counts, strict=True):
+            row = base
+            if base + count > lo and base < self.hi:
+                for batch in pf.iter_batches(batch_size=self.batch_rows):
+                    a, b = max(lo, row), min(self.hi, row + batch.num_rows)
+                    if a < b:
+                        block, order = self.convert(batch.slice(a - row, b - a), a - base)
+                        yield block, order
+                    row += batch.num_rows
+            base += count
+
+    def blocks(self, *, skip_rows: int = 0) -> Iterator[Block]:
+        for block, _ in self.pairs(skip_rows=skip_rows):
+            yield block
+
+
+def rebatch(blocks: Iterator[Block], rows: int) -> Iterator[Block]:
+    """Blocks of exactly ``rows`` rows from a stream of blocks of any size (the last may be shorter)."""
+    held: list[Block] = []
+    count = 0
+    for block in blocks:
+        while block.num_rows:
+            take = min(rows - count, block.num_rows)
+            held.append(block.slice(0, take) if take < block.num_rows else block)
+            block = block.slice(take, block.num_rows) if take < block.num_rows else block.slice(0, 0)
+            count += take
+            if count == rows:
+                yield Block.concat(held)
+                held, count = [], 0
+    if count:
+        yield Block.concat(held)

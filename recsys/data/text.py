@@ -1,0 +1,527 @@
+"""Vectorised parsing of delimited text (Criteo TSV, CSV/TSV, RecBole atomic files).
+
+No per-row Python on the hot path: a chunk of whole lines is split into fields with a handful of numpy
+passes over its bytes (separator positions → an (N, C) matrix of field starts and ends), and each column
+is converted at once (decimal and hexadecimal integers by digit arithmetic, floats by numpy's C parser,
+string tokens by a 64-bit hash of their bytes).
+
+Malformed lines are reported by :class:`Issues` with file, line and field; the caller either raises the
+first one or drops those lines and counts them (``on_error = "skip"``).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import gzip
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from recsys.errors import UserError
+
+__all__ = [
+    "OnError",
+    "MalformedInputError",
+    "Issues",
+    "Fields",
+    "split_fields",
+    "iter_chunks",
+    "count_lines",
+    "Problems",
+    "parse_int",
+    "parse_hex",
+    "parse_float",
+    "hash_tokens",
+    "hash_strings",
+]
+
+log = logging.getLogger("recsys")
+
+NEWLINE = 10
+CR = 13
+PAD = 8
+_ZEROS = bytes(PAD)
+
+
+class OnError(enum.Enum):
+    """What a reader does with a malformed line."""
+
+    RAISE = "raise"  # stop with one line naming file, line and field
+    SKIP = "skip"  # drop the line, count it by reason, and log the counts
+
+
+class MalformedInputError(UserError):
+    """A malformed line in an input file (the message names file, line and field)."""
+
+
+@dataclass
+class Issues:
+    """Malformed lines found in one file: raise on the first, or count them by reason."""
+
+    path: str
+    on_error: OnError
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # parser threads share it
+
+    def report(self, lines: np.ndarray, reason: str, detail: str = "") -> None:
+        """``lines`` (file line numbers, 1-based) are malformed because of ``reason``."""
+        if lines.size == 0:
+            return
+        if self.on_error is OnError.RAISE:
+            raise MalformedInputError(f"{self.path}:{int(lines.min())}: {reason}{detail}")
+        with self._lock:
+            self.counts[reason] += int(lines.size)
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> str:
+        reasons = "; ".join(f"{n} × {why}" for why, n in self.counts.most_common())
+        return f"skipped {self.skipped} malformed line(s) of {self.path}: {reasons}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fields:
+    """Well-formed lines of a chunk: field j of row i is ``buf[starts[i, j]:ends[i, j]]``.
+
+    Shapes: starts, ends (N, C) int64; lines (N,) int64 file line numbers (1-based).
+    """
+
+    buf: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    lines: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lines.shape[0])
+
+    def keep(self, mask: np.ndarray) -> Fields:
+        return Fields(self.buf, self.starts[mask], self.ends[mask], self.lines[mask])
+
+    def text(self, row: int, col: int) -> str:
+        raw = self.buf[self.starts[row, col] : self.ends[row, col]].tobytes()
+        return raw.decode("utf-8", "replace")
+
+
+def split_fields(
+    data: bytes, *, delimiter: bytes, num_fields: int, first_line: int, issues: Issues
+) -> Fields:
+    """Split a chunk of whole lines (ending with a newline) into fields.
+
+    Lines with another number of fields, and empty lines, are reported to ``issues`` (so that in the
+    default ``raise`` mode every line is a row, and a reader can skip rows by counting newlines).
+    ``first_line`` is the file line number of the chunk's first line.
+    """
+    if len(delimiter) != 1:  # multi-byte delimiters (MovieLens ``::``) become a byte that text lacks
+        data = data.replace(delimiter, b"\x1f")
+        delimiter = b"\x1f"
+    # PAD zero bytes on both sides let the SWAR parsers read 8 bytes around any field.
+    buf = np.frombuffer(_ZEROS + data + _ZEROS, dtype=np.uint8)
+    is_nl = buf == NEWLINE
+    is_sep = is_nl | (buf == delimiter[0])
+    sep = np.flatnonzero(is_sep)  # (S,)
+    nl_flag = is_nl[sep]
+    nl_pos = sep[nl_flag]  # (L,) one per line
+    num_lines = nl_pos.shape[0]
+    line_start = np.empty(num_lines, dtype=np.int64)
+    line_start[:1] = PAD
+    line_start[1:] = nl_pos[:-1] + 1
+    counts = np.diff(np.flatnonzero(nl_flag), prepend=-1)  # separators per line, newline included
+    line_numbers = first_line + np.arange(num_lines, dtype=np.int64)
+    blank = nl_pos - line_start - (buf[np.maximum(nl_pos - 1, 0)] == CR) <= 0
+    good = (counts == num_fields) & ~blank
+    bad = ~good & ~blank
+    if blank.any() and (not bad.any() or np.flatnonzero(blank)[0] < np.flatnonzero(bad)[0]):
+        issues.report(line_numbers[blank], "empty line")
+        blank = np.zeros_like(blank)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        issues.report(line_numbers[bad], f"expected {num_fields} fields", f", got {int(counts[first])}")
+    issues.report(line_numbers[blank], "empty line")
+    if good.all():
+        ends = sep.reshape(num_lines, num_fields)
+    else:
+        line_of_sep = np.repeat(np.arange(num_lines), counts)
+        ends = sep[good[line_of_sep]].reshape(-1, num_fields)
+        line_start = line_start[good]
+        line_numbers = line_numbers[good]
+    starts = np.empty_like(ends)
+    starts[:, 0] = line_start
+    starts[:, 1:] = ends[:, :-1] + 1
+    if ends.shape[0] and (buf[ends[:, -1] - 1] == CR).any():  # Windows line ends
+        last = ends[:, -1].copy()
+        last -= (buf[last - 1] == CR) & (last > starts[:, -1])
+        ends = ends.copy()
+        ends[:, -1] = last
+    return Fields(buf, starts, ends, line_numbers)
+
+
+def _matrix(f: Fields, col: int, *, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Column ``col`` as a zero-padded (N, W) uint8 matrix and its lengths (N,)."""
+    starts = f.starts[:, col]
+    lens = f.ends[:, col] - starts
+    w = int(lens.max(initial=0)) if width is None else width
+    w = max(w, 1)
+    pos = np.arange(w, dtype=np.int64)
+    mask = pos[None, :] < lens[:, None]
+    idx = np.minimum(starts[:, None] + pos[None, :], f.buf.shape[0] - 1)
+    mat = np.where(mask, f.buf[idx], np.uint8(0))
+    return mat, lens
+
+
+class Problems:
+    """Bad fields found while converting the rows of one chunk; :meth:`resolve` raises or drops them."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.bad = np.zeros(num_rows, dtype=bool)
+        self._found: list[tuple[np.ndarray, str, int, str]] = []  # (mask, reason, first line, detail)
+
+    def add(self, f: Fields, col: int, bad: np.ndarray, reason: str) -> None:
+        if not bad.any():
+            return
+        row = int(np.flatnonzero(bad)[0])
+        self._found.append((bad, reason, int(f.lines[row]), f": {f.text(row, col)!r}"))
+        self.bad |= bad
+
+    def add_rows(self, lines: np.ndarray, bad: np.ndarray, reason: str) -> None:
+        if not bad.any():
+            return
+        self._found.append((bad, reason, int(lines[np.flatnonzero(bad)[0]]), ""))
+        self.bad |= bad
+
+    def resolve(self, lines: np.ndarray, issues: Issues) -> np.ndarray | None:
+        """Raise for the earliest bad line (``raise``), or count bad rows once each; the rows to keep."""
+        if not self._found:
+            return None
+        if issues.on_error is OnError.RAISE:
+            _, reason, line, detail = min(self._found, key=lambda item: item[2])
+            raise MalformedInputError(f"{issues.path}:{line}: {reason}{detail}")
+        seen = np.zeros_like(self.bad)
+        for mask, reason, _, _ in self._found:
+            new = mask & ~seen
+            issues.report(lines[new], reason)
+            seen |= mask
+        return ~self.bad
+
+
+def parse_int(f: Fields, col: int, *, name: str, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
+    """Decimal integers (optional sign) → (values (N,) int64, missing (N,) bool); bad rows → ``problems``."""
+    starts = f.starts[:, col]
+    lens = f.ends[:, col] - starts
+    first = f.buf[starts]
+    neg = (first == 45) & (lens > 0)
+    sign = neg | ((first == 43) & (lens > 0))
+    digits = lens - sign
+    short = digits <= 8
+    if short.all():
+        value, bad = _swar_decimal(f.buf, f.ends[:, col], digits)
+        bad |= sign & (digits == 0)
+        problems.add(f, col, bad, f"field {name!r} (column {col + 1}): not an integer")
+        return np.where(neg, -value, value), lens == 0
+    value = np.zeros(lens.shape[0], dtype=np.int64)
+    missing = lens == 0
+    rows = np.flatnonzero(short)
+    sub = f.keep(rows)
+    value[rows] = parse_int(sub, col, name=name, problems=_Rows(problems, f, rows))[0]
+    rows = np.flatnonzero(~short)
+    value[rows] = _parse_int_slow(f.keep(rows), col, name=name, problems=_Rows(problems, f, rows))
+    return value, missing
+
+
+class _Rows:
+    """Problems of a subset of rows, mapped back to the whole chunk."""
+
+    def __init__(self, problems: Problems, f: Fields, rows: np.ndarray) -> None:
+        self.problems, self.f, self.rows = problems, f, rows
+
+    def add(self, _sub: Fields, col: int, bad: np.ndarray, reason: str) -> None:
+        full = np.zeros(self.f.num_rows, dtype=bool)
+        full[self.rows[bad]] = True
+        self.problems.add(self.f, col, full, reason)
+
+
+_ASCII_ZEROS = np.uint64(0x3030303030303030)
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_BIT6 = np.uint64(0x0101010101010101)  # the lowest bit of every byte
+_BIT7 = np.uint64(0x8080808080808080)
+_HIGH_NIBBLES = np.uint64(0xF0F0F0F0F0F0F0F0)
+_SIXES = np.uint64(0x0606060606060606)
+
+
+def _words_ending_at(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The 8 bytes before each position in ``ends``, as little-endian uint64 (byte 7 = last byte)."""
+    view = np.ndarray(shape=(buf.shape[0] - 7,), dtype="<u8", buffer=buf, strides=(1,))
+    return view[ends - 8]
+
+
+def _keep_high_bytes(n: np.ndarray) -> np.ndarray:
+    """Masks keeping the top ``n`` (0..8) bytes of a uint64."""
+    shift = (np.uint64(8) * (np.uint64(8) - n.astype(np.uint64))).astype(np.uint64)
+    full = np.uint64(0xFFFFFFFFFFFFFFFF)
+    return np.where(n == 0, np.uint64(0), (full >> shift) << shift)
+
+
+def _swar_decimal(buf: np.ndarray, ends: np.ndarray, digits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Up to 8 decimal digits ending at each of ``ends`` → (values int64, bad bool), 8 digits per word op.
+
+    The field's bytes are right-aligned in a word and padded on the left with ASCII zeros; the classic
+    multiply-and-shift reduction then folds 8 digits into a number in 3 steps.
+    """
+    keep = _keep_high_bytes(digits)
+    w = (_words_ending_at(buf, ends) & keep) | (_ASCII_ZEROS & ~keep)
+    bad = ((w & _HIGH_NIBBLES) != _ASCII_ZEROS) | (((w + _SIXES) & _HIGH_NIBBLES) != _ASCII_ZEROS)
+    with np.errstate(over="ignore"):
+        w = w - _ASCII_ZEROS
+        w = (w * np.uint64(10)) + (w >> np.uint64(8))
+        w = (
+            ((w & np.uint64(0x000000FF000000FF)) * np.uint64(100 + (1000000 << 32)))
+            + (((w >> np.uint64(16)) & np.uint64(0x000000FF000000FF)) * np.uint64(1 + (10000 << 32)))
+        ) >> np.uint64(32)
+    return w.astype(np.int64), bad
+
+
+def _swar_hex8(buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exactly 8 hexadecimal digits at each of ``starts`` → (values int64 in [0, 2**32), bad bool)."""
+    w = _words_ending_at(buf, starts + 8)
+    nib = (w & _LOW_NIBBLES) + ((w >> np.uint64(6)) & _BIT6) * np.uint64(9)  # byte k = digit k's value
+    # Valid iff every byte re-encodes to itself (lower-cased), its value is < 16, and it has bit 5 or 6.
+    over15 = ((nib + np.uint64(0x7070707070707070)) & _BIT7) != 0
+    above9 = ((nib + _SIXES) >> np.uint64(4)) & _BIT6
+    encoded = nib + _ASCII_ZEROS + above9 * np.uint64(39)
+    letters = ((w & np.uint64(0x6060606060606060)) + np.uint64(0x7F7F7F7F7F7F7F7F)) & _BIT7
+    bad = (encoded != (w | np.uint64(0x2020202020202020))) | over15 | (letters != _BIT7)
+    # Fold nibble bytes into the number; digit 0 (lowest byte) is the most significant.
+    t = ((nib & np.uint64(0x00FF00FF00FF00FF)) << np.uint64(4)) | (
+        (nib >> np.uint64(8)) & np.uint64(0x00FF00FF00FF00FF)
+    )
+    u = ((t & np.uint64(0x000000FF000000FF)) << np.uint64(8)) | (
+        (t >> np.uint64(16)) & np.uint64(0x000000FF000000FF)
+    )
+    v = ((u & np.uint64(0xFFFF)) << np.uint64(16)) | ((u >> np.uint64(32)) & np.uint64(0xFFFF))
+    return v.astype(np.int64), bad
+
+
+def _parse_int_slow(f: Fields, col: int, *, name: str, problems: Problems | _Rows) -> np.ndarray:
+    """Integers of any length up to 18 digits, one byte column at a time."""
+    mat, lens = _matrix(f, col)
+    too_long = lens > 18
+    if too_long.any():
+        problems.add(f, col, too_long, f"field {name!r} (column {col + 1}): integer too long")
+        mat = mat[:, :18]
+    digits = mat - np.uint8(48)
+    is_digit = digits <= 9
+    in_field = np.arange(mat.shape[1])[None, :] < lens[:, None]
+    signed = (mat[:, 0] == 45) | (mat[:, 0] == 43)  # '-' or '+'
+    ok_char = is_digit | ~in_field
+    ok_char[:, 0] |= signed
+    bad = ~ok_char.all(axis=1) | (signed & (lens == 1))
+    problems.add(f, col, bad, f"field {name!r} (column {col + 1}): not an integer")
+    value = np.zeros(mat.shape[0], dtype=np.int64)
+    for k in range(mat.shape[1]):
+        take = in_field[:, k] & is_digit[:, k]
+        value = np.where(take, value * 10 + digits[:, k], value)
+    return np.where(mat[:, 0] == 45, -value, value)
+
+
+_HEX = np.full(256, 255, dtype=np.uint8)
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX[_c] = _i
+for _i, _c in enumerate(b"ABCDEF"):
+    _HEX[_c] = 10 + _i
+
+
+def parse_hex(f: Fields, col: int, *, name: str, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
+    """Hexadecimal ids of up to 15 digits (Criteo: 8) → (values (N,) int64 ≥ 0, missing (N,) bool)."""
+    starts = f.starts[:, col]
+    lens = f.ends[:, col] - starts
+    if ((lens == 8) | (lens == 0)).all():  # Criteo: 8 digits or empty
+        value, bad = _swar_hex8(f.buf, starts)
+        bad &= lens == 8
+        problems.add(f, col, bad, f"field {name!r} (column {col + 1}): not a hexadecimal id")
+        return np.where(lens == 0, 0, value), lens == 0
+    mat, lens = _matrix(f, col)
+    nib = _HEX[mat]
+    in_field = np.arange(mat.shape[1])[None, :] < lens[:, None]
+    bad = ((nib == 255) & in_field).any(axis=1) | (lens > 15)
+    problems.add(f, col, bad, f"field {name!r} (column {col + 1}): not a hexadecimal id")
+    value = np.zeros(mat.shape[0], dtype=np.int64)
+    for k in range(min(mat.shape[1], 15)):
+        value = np.where(in_field[:, k], (value << 4) | (nib[:, k] & 15).astype(np.int64), value)
+    return value, lens == 0
+
+
+def parse_float(f: Fields, col: int, *, name: str, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
+    """Decimal numbers → (values (N,) float64, missing (N,) bool); empty fields are missing."""
+    mat, lens = _matrix(f, col)
+    missing = lens == 0
+    strings = mat.view(f"S{mat.shape[1]}").ravel()
+    strings = np.where(missing, b"0", strings)
+    try:
+        return strings.astype(np.float64), missing
+    except ValueError:
+        pass
+    # Slow path, only for chunks that hold a malformed number: find which ones.
+    value = np.zeros(strings.shape[0], dtype=np.float64)
+    bad = np.zeros(strings.shape[0], dtype=bool)
+    for i, s in enumerate(strings):
+        try:
+            value[i] = float(s)
+        except ValueError:
+            bad[i] = True
+    problems.add(f, col, bad, f"field {name!r} (column {col + 1}): not a number")
+    return value, missing
+
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_SALT = np.uint64(0x7F4A7C159E3779B9)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _hash_matrix(mat: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """64-bit hash of each row's first ``lens`` bytes → int64 ids in [0, 2**63).
+
+    Depends only on the bytes and the length, never on the matrix width: words past a row's end are not
+    mixed in.
+    """
+    n, w = mat.shape
+    words = -(-w // 8)
+    padded = np.zeros((n, words * 8), dtype=np.uint8)
+    padded[:, :w] = mat
+    as_words = padded.view("<u8")  # (N, words)
+    with np.errstate(over="ignore"):
+        h = _mix(lens.astype(np.uint64) ^ _SALT)
+        for k in range(words):
+            h = np.where(lens > 8 * k, _mix(h ^ as_words[:, k]), h)
+    return (h >> np.uint64(1)).astype(np.int64)
+
+
+def hash_strings(tokens: list[str] | list[bytes]) -> np.ndarray:
+    """The ids :func:`hash_tokens` gives these tokens (for tests and lookups)."""
+    raw = [t.encode() if isinstance(t, str) else t for t in tokens]
+    width = max((len(t) for t in raw), default=1) or 1
+    mat = np.zeros((len(raw), width), dtype=np.uint8)
+    for i, t in enumerate(raw):
+        mat[i, : len(t)] = np.frombuffer(t, dtype=np.uint8)
+    return _hash_matrix(mat, np.array([len(t) for t in raw], dtype=np.int64))
+
+
+def hash_tokens(
+    f: Fields, col: int, *, separator: bytes = b"", prefix: int = 0, max_length: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """String tokens → hashed ids as (values (nnz,) int64, lengths (N,) int64).
+
+    Without ``separator`` every non-empty field is one token (an empty field has no id). With it, a field
+    is a list of tokens (multi-hot), at most ``max_length`` kept (0: all). ``prefix`` keeps only the first
+    ``prefix`` bytes of each token (e.g. a zip code's region).
+    """
+    starts = f.starts[:, col]
+    ends = f.ends[:, col]
+    if separator:
+        # Every byte position of the column's fields, flattened; split at separator bytes.
+        lens = ends - starts
+        total = int(lens.sum())
+        row_of = np.repeat(np.arange(starts.shape[0]), lens)
+        pos = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+        is_sep = f.buf[pos] == separator[0]
+        # A token starts at a field start or after a separator, and ends before a separator or field end.
+        begin = np.ones(total, dtype=bool)
+        begin[1:] = (row_of[1:] != row_of[:-1]) | is_sep[:-1]
+        begin &= ~is_sep
+        end = np.ones(total, dtype=bool)
+        end[:-1] = (row_of[1:] != row_of[:-1]) | is_sep[1:]
+        end &= ~is_sep
+        tok_start = pos[begin]
+        tok_end = pos[end] + 1
+        tok_row = row_of[begin]
+        lengths = np.bincount(tok_row, minlength=starts.shape[0]).astype(np.int64)
+        if max_length:
+            rank = np.arange(tok_row.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            keep = rank < max_length
+            tok_start, tok_end = tok_start[keep], tok_end[keep]
+            lengths = np.minimum(lengths, max_length)
+    else:
+        tok_start, tok_end = starts, ends
+        lengths = (ends > starts).astype(np.int64)
+        keep = lengths.astype(bool)
+        tok_start, tok_end = tok_start[keep], tok_end[keep]
+    if prefix:
+        tok_end = np.minimum(tok_end, tok_start + prefix)
+    token_fields = Fields(f.buf, tok_start[:, None], tok_end[:, None], np.zeros(tok_start.shape[0], np.int64))
+    mat, tlens = _matrix(token_fields, 0)
+    return _hash_matrix(mat, tlens), lengths
+
+
+# -- reading files in chunks of whole lines ---------------------------------------------------------
+
+
+def _open(path: Path):  # noqa: ANN202 - a binary file object
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115
+
+
+def iter_chunks(
+    path: Path, *, chunk_bytes: int = 8 << 20, skip_lines: int = 0
+) -> Iterator[tuple[bytes, int]]:
+    """Whole lines of ``path`` in chunks of about ``chunk_bytes``, after the first ``skip_lines`` lines.
+
+    Yields ``(data, first_line)``: ``data`` ends with a newline; ``first_line`` is the 1-based line
+    number of its first line. Memory stays at a few chunks whatever the file size.
+    """
+    line = 1
+    tail = b""
+    with _open(path) as fh:
+        while True:
+            block = fh.read(chunk_bytes)
+            if not block:
+                break
+            data = tail + block
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                tail = data
+                continue
+            data, tail = data[:cut], data[cut:]
+            if skip_lines:
+                n = data.count(b"\n")
+                if n <= skip_lines:
+                    skip_lines -= n
+                    line += n
+                    continue
+                at = int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == NEWLINE)[skip_lines - 1])
+                data = data[at + 1 :]
+                line += skip_lines
+                skip_lines = 0
+            yield data, line
+            line += data.count(b"\n")
+    if tail and not skip_lines:
+        yield tail + b"\n", line
+
+
+def count_lines(path: Path) -> int:
+    """Lines of a file (a last line without a newline counts), by counting newline bytes."""
+    n = 0
+    last = b"\n"
+    with _open(path) as fh:
+        while block := fh.read(16 << 20):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")
+
+
+def log_issues(issues: Issues) -> None:
+    if issues.skipped:
+        log.warning("%s", issues.summary())
