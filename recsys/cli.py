@@ -1,6 +1,7 @@
 """The ``recsys`` command line.
 
 ``recsys train --config FILE [--set section.key=value ...] [--out DIR] [--nproc N] [--resume]``
+``recsys preprocess FILE... --out DIR [--no-label] [--on-error raise|skip]`` (Criteo TSV → TorchRec npy)
 
 User errors (bad config keys or values, missing files, bad ``--set`` syntax) print one line and exit
 with code 2. Without torchrun, ``train`` spawns ``train.nproc`` local worker processes itself.
@@ -48,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--resume", action="store_true", help="continue from the newest complete checkpoint in --out"
+    )
+    prep = sub.add_parser("preprocess", help="convert Criteo TSV files to TorchRec's npy layout")
+    prep.add_argument("inputs", nargs="+", type=Path, help="Criteo TSV files (plain or .gz)")
+    prep.add_argument("--out", required=True, type=Path, help="folder for <name>_{dense,sparse,labels}.npy")
+    prep.add_argument("--no-label", action="store_true", help="inputs have no label column (Kaggle test.txt)")
+    prep.add_argument(
+        "--on-error",
+        choices=["raise", "skip"],
+        default="raise",
+        help="malformed lines: stop, or skip and count",
     )
     return parser
 
@@ -159,12 +170,29 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preprocess(args: argparse.Namespace) -> int:
+    from recsys.data.preprocess import criteo_tsv_to_npy
+    from recsys.data.text import OnError
+    from recsys.errors import UserError
+
+    try:
+        prefixes = criteo_tsv_to_npy(
+            args.inputs, args.out, on_error=OnError(args.on_error), has_label=not args.no_label
+        )
+    except UserError as err:
+        return _fail(str(err))
+    print(f"wrote {', '.join(f'{p}_{{dense,sparse,labels}}.npy' for p in prefixes)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     if args.command == "train":
         return _train(args)
+    if args.command == "preprocess":
+        return _preprocess(args)
     return _fail(f"unknown command {args.command!r}")
 
 

@@ -14,6 +14,10 @@ def test_cli_surface_is_frozen():
     train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
     flags = sorted(opt for action in train._actions for opt in action.option_strings)
     assert flags == sorted(["--config", "--nproc", "--out", "--resume", "--set", "-h", "--help"])
+    prep = build_parser()._subparsers._group_actions[0].choices["preprocess"]  # type: ignore[union-attr]
+    flags = sorted(opt for action in prep._actions for opt in action.option_strings)
+    assert flags == sorted(["--out", "--no-label", "--on-error", "-h", "--help"])
+    assert sorted(build_parser()._subparsers._group_actions[0].choices) == ["preprocess", "train"]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
