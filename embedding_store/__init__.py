@@ -17,20 +17,25 @@ Tiers (highest first; the highest tier holding a row holds its latest value, tie
   The map grows on demand up to an optional cap; a full map/disk raises StoreFullError with nothing
   half-written; ``tierrec.lock`` (flock) refuses a second opener with StoreLockedError.
 
-Batch API (drive it from any threads; calls serialise on the store lock, ``prefetch`` drops the lock
-during its LMDB read, and a writer failure is raised by the next call)::
+Batch API. Threading contract: every method may be called from any thread; calls serialise on one
+store lock, except that ``prefetch`` drops it during its LMDB read (so batch i+2's SSD read overlaps
+batch i's step); a background writer thread commits evicted rows and never takes the store lock; its
+failure is raised (as the same StoreError kind, chained) by the next call instead of hanging. The
+store touches the bound slot tensors only inside ``make_resident`` (unpinned victims and free slots),
+``evict``, ``flush``/``snapshot``/``close`` and ``read_rows``/``iter_rows``; call the latter between
+steps, when no backward is updating the slot table::
 
     store = TieredStore(path, config=StoreConfig(seed=0, device_capacity_rows=S, host_capacity_rows=H),
                         tables=[TableSpec(name="t0", dim=D, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)])
     store.bind("t0", weights=w, state=m)      # w: (S, D), m: (S,) — the slot table's live tensors
     store.lookahead(i + 2, {"t0": ids_i2})    # announce future batches (LOOKAHEAD protects their rows)
     store.prefetch(i + 2)                     # SSD -> host for an announced batch
-    slots = store.make_resident(i, {"t0": ids_i})["t0"]  # evict, fill, pin; same shape as ids
+    slots = store.make_resident(i, {"t0": ids_i})["t0"]  # evict, fill, pin; int64, same shape as ids
     ...                                       # forward/backward on the slot table with `slots`
-    store.release(i)                          # unpin after the batch's backward
-    store.flush(); store.snapshot(dir); store.close()   # or use `with TieredStore(...) as store:`
-    for chunk in store.iter_rows("t0"): ...   # (ids (n,), weights (n, D), state) ascending ids
-    store.read_rows("t0", ids); store.stats()
+    store.release(i)                          # unpin after the batch's backward (any number in flight)
+    store.flush(); store.snapshot(dir); store.close()   # or `with TieredStore(...) as store:`
+    for chunk in store.iter_rows("t0"): ...   # RowChunk(ids (n,), weights (n, D), state) ascending ids
+    store.read_rows("t0", ids); store.evict("t0"); store.wait_for_writes(); store.stats()
 
 Building blocks: :class:`~embedding_store.index.HashIdMap` / ``DenseIdMap`` (vectorised id -> position
 maps), eviction policies (``LRU``, ``LFU``, ``LOOKAHEAD``) in :mod:`embedding_store.policies`, and the
