@@ -25,8 +25,8 @@ SPARSE_NAMES = [f"C{i}" for i in range(1, NUM_SPARSE + 1)]
 
 
 def log_counts(counts: np.ndarray) -> np.ndarray:
-    """The dense transform: ``log(1 + max(x, 0))`` in float32."""
-    return np.log1p(np.maximum(counts, 0).astype(np.float32))
+    """The dense transform: ``log(1 + max(x, 0))``, computed in float64 and rounded to float32."""
+    return np.log1p(np.maximum(counts, 0).astype(np.float64)).astype(np.float32)
 
 
 def _parse_columns(f: Fields, first: int, problems: Problems) -> tuple[np.ndarray, np.ndarray]:

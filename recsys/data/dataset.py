@@ -22,7 +22,7 @@ import numpy as np
 
 from recsys.data.batch import Batch
 from recsys.data.block import Block, Jagged
-from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES, parse_criteo
+from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, parse_criteo
 from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource, rebatch
 from recsys.data.spec import DatasetSpec, Format, JoinSpec
 from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
@@ -255,7 +255,7 @@ class SpecDataset:
     def _schema(self, files: list[Path]) -> tuple[list[str], list[int], int]:
         spec = self.spec
         if spec.format is Format.CRITEO_TSV:
-            names = [s.name for s in spec.sparse] or [n.lower() for n in SPARSE_NAMES]
+            names = [s.name for s in spec.sparse] or [f"cat_{i}" for i in range(NUM_SPARSE)]
             if len(names) != NUM_SPARSE:
                 raise UserError(
                     f"{spec.path}: criteo_tsv has {NUM_SPARSE} sparse features, the spec names {len(names)}"

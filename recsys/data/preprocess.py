@@ -93,8 +93,9 @@ def criteo_tsv_to_npy(
         lines = source.total_lines()
         name = path.name.removesuffix(".gz").removesuffix(".tsv").removesuffix(".txt")
         prefix = out_dir / name
+        # disable=None: the bar shows on terminals only, so logs and error output stay clean.
         with tqdm(
-            total=lines, desc=path.name, unit="row", unit_scale=True, dynamic_ncols=True, mininterval=0.5
+            total=lines, desc=path.name, unit="row", unit_scale=True, mininterval=0.5, disable=None
         ) as bar:
             rows = write_npy(
                 source.blocks(),

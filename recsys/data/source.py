@@ -8,7 +8,9 @@ their id spaces — sizes the model's tables.
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +124,8 @@ def data_root(spec: DatasetSpec, config: DataConfig) -> Path:
 
 def _from_factory(config: DataConfig, seed: int) -> Dataset:
     module_name, _, attr = config.source.partition(":")
+    if os.getcwd() not in sys.path:  # the `recsys` console script does not put it there
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

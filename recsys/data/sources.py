@@ -110,6 +110,8 @@ class TextSource:
     def _parsed(self, lo: int) -> Iterator[tuple[Block, np.ndarray | None]]:
         """Parsed chunks in file order; ``workers`` threads parse ahead (bounded: 2 chunks per worker)."""
         current: str | None = None
+        for issues in self.issues.values():  # counts describe the latest pass
+            issues.counts.clear()
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             pending: deque[tuple[str, Future]] = deque()
             chunks = self._chunks(lo, self.hi)
@@ -158,6 +160,7 @@ class TextSource:
 
     @property
     def skipped(self) -> int:
+        """Malformed lines skipped in the latest pass (``skip`` mode)."""
         return sum(i.skipped for i in self.issues.values())
 
 

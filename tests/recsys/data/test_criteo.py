@@ -1,0 +1,136 @@
+"""Criteo TSV readers against a slow oracle, on files in the exact Criteo layout; preprocess round trip."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recsys.cli import main
+from recsys.data.criteo import parse_criteo
+from recsys.data.source import DataConfig, build_dataset
+from recsys.data.sources import TextSource
+from recsys.data.synthetic import SyntheticConfig
+from recsys.data.text import Issues, OnError
+from tests.recsys.data.conftest import criteo_lines, criteo_oracle
+
+
+def _rows(block) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ids = np.stack([j.values for j in block.ids], axis=1)
+    return block.dense, ids, block.labels
+
+
+def _check_against_oracle(block, lines: list[str], *, label: bool = True) -> None:
+    dense, ids, labels = _rows(block)
+    assert dense.shape == (len(lines), 13) and ids.shape == (len(lines), 26)
+    for i, line in enumerate(lines):
+        d, c, y = criteo_oracle(line, label=label)
+        assert dense[i].tolist() == d, i
+        assert ids[i].tolist() == c, i
+        assert labels[i] == y
+
+
+def test_parser_matches_oracle_on_exact_layout(criteo_file):
+    path, lines = criteo_file
+    block = parse_criteo(
+        path.read_bytes(), first_line=1, has_label=True, issues=Issues(str(path), OnError.RAISE)
+    )
+    _check_against_oracle(block, lines)
+    ids = np.stack([j.values for j in block.ids], axis=1)
+    assert ids.dtype == np.int64 and ids.max() >= 2**31 and (ids >= 0).all()  # no int32 overflow
+
+
+def test_extremes_and_empty_fields():
+    line = "\t".join(
+        ["1", *[""] * 12, "-3", "ffffffff", "80000000", "7fffffff", "00000000", "", *["0A1b2C3d"] * 21]
+    )
+    block = parse_criteo(
+        (line + "\n").encode(), first_line=1, has_label=True, issues=Issues("x", OnError.RAISE)
+    )
+    ids = [int(j.values[0]) for j in block.ids]
+    assert ids[:5] == [2**32 - 1, 2**31, 2**31 - 1, 0, 0] and ids[5] == 0x0A1B2C3D
+    assert block.dense[0].tolist() == [0.0] * 13  # empty and negative counts → log1p(0)
+
+
+def test_kaggle_test_file_without_label(tmp_path):
+    lines = criteo_lines(200, seed=3, label=False)
+    block = parse_criteo(
+        ("\n".join(lines) + "\n").encode(), first_line=1, has_label=False, issues=Issues("t", OnError.RAISE)
+    )
+    _check_against_oracle(block, lines, label=False)
+
+
+@pytest.mark.parametrize("chunk_bytes", [9973, 1 << 20])
+def test_chunked_and_gzip_streams_match_oracle(criteo_file, tmp_path, chunk_bytes):
+    path, lines = criteo_file
+    gz = tmp_path / "day_0.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    for f in (path, gz):
+
+        def parse(data, first, issues):
+            return parse_criteo(data, first_line=first, has_label=True, issues=issues), None
+
+        source = TextSource([f], parse, header=False, on_error=OnError.RAISE, chunk_bytes=chunk_bytes)
+        blocks = list(source.blocks())
+        assert len(blocks) > 1 or chunk_bytes > 10**5
+        from recsys.data.block import Block
+
+        _check_against_oracle(Block.concat(blocks), lines)
+        assert source.num_rows() == len(lines)
+        # Starting after k rows gives exactly the rows from k on.
+        _check_against_oracle(Block.concat(list(source.blocks(skip_rows=1234))), lines[1234:])
+
+
+def _spec(tmp_path: Path, body: str, name: str = "spec.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(body)
+    return path
+
+
+def _dataset(spec: Path, **kw):
+    return build_dataset(DataConfig(source=str(spec), **kw), synthetic=SyntheticConfig(), seed=0)
+
+
+def _same_batches(a, b) -> None:
+    assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+    assert a.sparse.keys() == b.sparse.keys()
+    assert torch.equal(a.sparse.values(), b.sparse.values()) and torch.equal(
+        a.sparse.lengths(), b.sparse.lengths()
+    )
+
+
+def test_preprocess_round_trip_tsv_npy_batches(criteo_file, tmp_path, capsys):
+    path, lines = criteo_file
+    out = tmp_path / "npy"
+    assert main(["preprocess", str(path), "--out", str(out)]) == 0
+    assert (out / "day_0_dense.npy").is_file() and "wrote" in capsys.readouterr().out
+    assert np.load(out / "day_0_sparse.npy").dtype == np.int64
+    tsv = _dataset(
+        _spec(tmp_path, 'name = "c"\nformat = "criteo_tsv"\n[source]\nfiles = ["day_0"]\n', "tsv.toml")
+    )
+    npy = _dataset(
+        _spec(out, 'name = "c"\nformat = "torchrec_npy"\n[source]\nfiles = ["day_0"]\n', "npy.toml")
+    )
+    assert tsv.feature_names == npy.feature_names and tsv.id_spaces == npy.id_spaces == [2**32] * 26
+    for rank in (0, 1):
+        # 2,700 training rows in batches of 512: steps 0-12 cross an epoch boundary.
+        a = tsv.train_batches(rank=rank, world_size=2, batch_size=512, start_step=0)
+        b = npy.train_batches(rank=rank, world_size=2, batch_size=512, start_step=0)
+        for _ in range(13):
+            _same_batches(next(a), next(b))
+        ea = list(tsv.eval_batches(rank=rank, world_size=2, batch_size=64))
+        eb = list(npy.eval_batches(rank=rank, world_size=2, batch_size=64))
+        assert len(ea) == len(eb) > 1
+        for x, y in zip(ea, eb, strict=True):
+            _same_batches(x, y)
+
+
+def test_preprocess_user_error_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\t2\n")
+    assert main(["preprocess", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"recsys: error: {bad}:1: expected 40 fields, got 2"
