@@ -35,6 +35,7 @@ from embedding_store import (
     PolicyKind,
     StoreConfig,
     TableSpec,
+    Tier,
     TieredStore,
     restore_snapshot,
 )
@@ -300,6 +301,33 @@ class TieredTables:
             return
         for chunk in self.store.iter_rows(name):
             yield chunk.ids, chunk.weights, chunk.state
+
+    # Counter vector per table: device hits/misses (id occurrences), host hits/misses, LMDB rows read,
+    # rows first initialised, rows written to LMDB, device evictions.
+    COUNTERS = (
+        "device_hits", "device_misses", "host_hits", "host_misses",
+        "ssd_rows_read", "rows_initialised", "ssd_rows_written", "device_evictions",
+    )  # fmt: skip
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        """Per owned table, the monotonic counters named by ``COUNTERS`` as a float64 vector."""
+        if self.store is None:
+            return {}
+        out = {}
+        for name, tiers in self.store.stats().tables.items():
+            dev, host, ssd = (tiers[t] for t in (Tier.DEVICE, Tier.HOST, Tier.SSD))
+            values = [
+                dev.hits,
+                dev.misses,
+                host.hits,
+                host.misses,
+                ssd.hits,
+                ssd.misses,
+                ssd.rows_in,
+                dev.evictions,
+            ]
+            out[name] = torch.tensor(values, dtype=torch.float64)
+        return out
 
     def stats(self) -> dict[str, dict[str, object]]:
         """Per table and tier counters of this rank's store (JSON-ready)."""

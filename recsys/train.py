@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from tqdm import tqdm
 
-from pipelines import StagedPipeline
+from embedding_store import StoreCapacityError
+from pipelines import StagedPipeline, StageFailed
 from recsys.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from recsys.config import RunConfig, config_to_dict
 from recsys.data.batch import Batch
@@ -50,6 +51,11 @@ def _fold_ids(batch: Batch, modulus: list[int]) -> Batch:
     sparse = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths(), stride=kjt.stride())
     return Batch(dense=batch.dense, sparse=sparse, labels=batch.labels)
 
+
+# A device tier that answers less than this share of a warm table's lookups thrashes.
+THRASH_HIT_RATE = 0.5
+# Warnings repeat at most every this many log points.
+WARN_EVERY_LOGS = 10
 
 # Batch ids of evaluation batches in the store, apart from training steps.
 EVAL_BATCH_BASE = 1 << 40
@@ -219,6 +225,44 @@ class Trainer:
             init_scale=self.config.sparse.init_scale,
         )
 
+    def _tier_window(self, last: dict[str, torch.Tensor]) -> tuple[dict[str, float], str | None]:
+        """Hit rates over all ranks since the previous call, and a warning naming a thrashing table.
+
+        Collective. ``last`` holds this rank's counters at the previous call and is updated in place.
+        """
+        assert self.tiered is not None
+        now = self.tiered.counters()
+        deltas = {name: value - last.get(name, torch.zeros_like(value)) for name, value in now.items()}
+        last.update(now)
+        total = sum(deltas.values(), torch.zeros(len(TieredTables.COUNTERS), dtype=torch.float64))
+        if self.env.world_size > 1:
+            dist.all_reduce(total)
+        c = dict(zip(TieredTables.COUNTERS, total.tolist(), strict=True))
+        device_hit = c["device_hits"] / max(1.0, c["device_hits"] + c["device_misses"])
+        host_hit = c["host_hits"] / max(1.0, c["host_hits"] + c["host_misses"])
+        window = {
+            "device_hit_rate": device_hit,
+            "host_hit_rate": host_hit,
+            "ssd_rows_read": c["ssd_rows_read"],
+            "ssd_rows_written": c["ssd_rows_written"],
+            "rows_initialised": c["rows_initialised"],
+        }
+        warning = None
+        rates = {
+            name: float(d[0] / max(1.0, float(d[0] + d[1])))
+            for name, d in deltas.items()
+            if float(d[0] + d[1]) > 0
+        }
+        thrashing = {n: r for n, r in rates.items() if r < THRASH_HIT_RATE}
+        if thrashing and self.step > 2 * self.config.train.log_every:  # the cache is warm by now
+            worst = min(thrashing, key=thrashing.__getitem__)
+            warning = (
+                f"CACHE THRASHING: table {worst} device hit rate {thrashing[worst]:.2f} over the last "
+                f"{self.config.train.log_every} steps ({len(thrashing)} table(s) below {THRASH_HIT_RATE}); "
+                f"raise store.device_rows (now {self.config.store.device_rows})"
+            )
+        return window, warning
+
     def tier_stats(self) -> dict[str, dict[str, dict[str, float]]]:
         """Per tiered table and tier, the store counters summed over ranks (collective)."""
         mine = {} if self.tiered is None else self.tiered.stats()
@@ -255,6 +299,14 @@ class Trainer:
         batches, feed = self._feed(self.step, tcfg.steps)
         try:
             return self._loop(pipeline, batches, feed, metrics)
+        except (StageFailed, StoreCapacityError) as err:
+            cause = err.__cause__ if isinstance(err, StageFailed) else err
+            if isinstance(cause, StoreCapacityError):
+                raise UserError(
+                    f"store.device_rows={self.config.store.device_rows} is too small for the batches in flight "
+                    f"(four training batches, or one evaluation batch): {cause}"
+                ) from err
+            raise
         finally:
             if feed is not None:
                 feed.close()
@@ -284,6 +336,9 @@ class Trainer:
         trained_samples = 0
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
         result: dict[str, Any] = {}
+        counters: dict[str, torch.Tensor] = {}
+        warned: dict[str, int] = {}
+        logs = 0
         while self.step < tcfg.steps:
             t0 = time.perf_counter()
             loss, _, _ = pipeline.progress(batches)
@@ -298,8 +353,25 @@ class Trainer:
             if self.step % tcfg.log_every == 0 or self.step == tcfg.steps:
                 (mean_loss,) = self._all_mean([window_loss / window_steps])
                 rate = window_steps * tcfg.batch_size / max(1e-9, time.perf_counter() - window_start)
-                bar.set_postfix(loss=f"{mean_loss:.4f}", samples_per_s=f"{rate:,.0f}")
-                metrics.write(kind="train", step=self.step, loss=mean_loss, samples_per_s=rate)
+                postfix = {"loss": f"{mean_loss:.4f}", "samples_per_s": f"{rate:,.0f}"}
+                extra: dict[str, Any] = {}
+                if self.tiered is not None and feed is not None:
+                    tiers, thrash = self._tier_window(counters)
+                    stats = feed.stats()
+                    extra = {"tiers": tiers, "pipeline": {"bound_by": stats.get("bound_by")}}
+                    postfix.update(hit=f"{tiers['device_hit_rate']:.3f}", bound=str(stats.get("bound_by")))
+                    logs += 1
+                    for message in (thrash, feed.stall_warning()):
+                        if (
+                            message
+                            and self.env.is_main
+                            and logs - warned.get(message[:12], -WARN_EVERY_LOGS) >= WARN_EVERY_LOGS
+                        ):
+                            warned[message[:12]] = logs
+                            bar.write(f"WARNING: {message}")
+                            log.warning(message)
+                bar.set_postfix(postfix)
+                metrics.write(kind="train", step=self.step, loss=mean_loss, samples_per_s=rate, **extra)
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < tcfg.steps:
                 auc, logloss = self.evaluate(pipeline)
