@@ -118,11 +118,27 @@ def test_same_config_twice_gives_same_digest(
     assert a == b
 
 
+TIERED = ["--set", "store.tiered=true", "--set", "store.device_rows=1400", "--set", "store.host_rows=400",
+          "--set", "eval.batch_size=256"]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [[], pytest.param(TIERED, id="tiered")], ids=["in_memory", "tiered"])
 def test_killed_run_resumes_to_the_same_digest(
-    first_run, tmp_path, config_file, repo_root_module, python_module, env_module
+    extra, first_run, tmp_path, config_file, repo_root_module, python_module, env_module
 ):
+    """Killed after a checkpoint and resumed, a run ends as the uninterrupted in-memory run (tiered too)."""
     proc = subprocess.Popen(
-        [python_module, "-m", "recsys", "train", "--config", str(config_file), "--out", str(tmp_path)],
+        [
+            python_module,
+            "-m",
+            "recsys",
+            "train",
+            "--config",
+            str(config_file),
+            "--out",
+            str(tmp_path),
+            *extra,
+        ],
         cwd=repo_root_module,
         env=env_module,
         stdout=subprocess.DEVNULL,
@@ -136,7 +152,7 @@ def test_killed_run_resumes_to_the_same_digest(
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert marker.exists() and not (tmp_path / "summary.json").exists(), "the kill must land mid-run"
-    resumed = _train(python_module, env_module, repo_root_module, config_file, tmp_path, "--resume")
+    resumed = _train(python_module, env_module, repo_root_module, config_file, tmp_path, "--resume", *extra)
     assert "resumed from" in resumed.stderr
     a = json.loads((first_run / "summary.json").read_text())["model_digest"]
     b = json.loads((tmp_path / "summary.json").read_text())["model_digest"]
