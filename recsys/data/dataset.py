@@ -15,6 +15,7 @@ share of each block of ``batch_size × W`` rows.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,6 +213,24 @@ class ArrayDataset:
         )
 
 
+def _expand(root: Path, names: tuple[str, ...]) -> list[Path]:
+    """Files relative to ``root``; glob patterns (``day_*``) expand in natural order (day_2 before day_10)."""
+    out: list[Path] = []
+    for name in names:
+        if any(c in name for c in "*?["):
+            matches = sorted(root.glob(name), key=_natural)
+            if not matches:
+                raise UserError(f"no files match {root / name}")
+            out += matches
+        else:
+            out.append(root / name)
+    return out
+
+
+def _natural(path: Path) -> list[object]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
 def _header(path: Path, delimiter: bytes) -> list[str]:
     from recsys.data.text import _open
 
@@ -240,8 +259,8 @@ class SpecDataset:
         self.on_error = on_error
         self._sides: list[SideTable] = []
         self._columns: list[str] = []
-        files = [root / f for f in spec.source.files]
-        eval_files = [root / f for f in spec.split.eval_files]
+        files = _expand(root, spec.source.files)
+        eval_files = _expand(root, spec.split.eval_files)
         for f in [*files, *eval_files]:
             if not f.exists() and not Path(f"{f}_labels.npy").exists():
                 raise UserError(f"{spec.path}: data file not found: {f}")
@@ -358,17 +377,21 @@ class SpecDataset:
             path = self.root / join.file
             if not path.is_file():
                 raise UserError(f"{spec.path}: join file not found: {path}")
-            columns = (
-                self._column_names(path, delimiter) if not spec.read.columns else _header(path, delimiter)
-            )
             data = path.read_bytes()
-            if spec.read.header or spec.format is Format.RECBOLE:
-                data = data[data.index(b"\n") + 1 :]
+            if join.columns:
+                columns = list(join.columns)
+            else:
+                columns = _header(path, delimiter)
+                data = data[data.index(b"\n") + 1 :] if b"\n" in data else b""
             if not data.endswith(b"\n"):
                 data += b"\n"
             issues = Issues(str(path), self.on_error)
             fields = split_fields(
-                data, delimiter=delimiter, num_fields=len(columns), first_line=2, issues=issues
+                data,
+                delimiter=delimiter,
+                num_fields=len(columns),
+                first_line=1 if join.columns else 2,
+                issues=issues,
             )
             problems = Problems(fields.num_rows)
             side = SideTable(

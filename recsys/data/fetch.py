@@ -8,6 +8,7 @@ MovieLens' terms forbid redistribution: the files stay in the user's cache.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -112,6 +113,11 @@ def fetch(spec: DatasetSpec, files: list[str], cache_dir: Path) -> Path:
     target = cache_dir / spec.name
     if all((target / f).is_file() for f in files):
         return target
-    archive = _download(spec, cache_dir / "downloads")
-    _extract(archive, src.member, files, target)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Every local rank may get here at once: one fetches, the others wait and find the files.
+    with open(cache_dir / f".{spec.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not all((target / f).is_file() for f in files):
+            archive = _download(spec, cache_dir / "downloads")
+            _extract(archive, src.member, files, target)
     return target

@@ -146,6 +146,7 @@ class JoinSpec:
 
     file: str
     on: str
+    columns: tuple[str, ...] = ()  # names for a side file without a header line
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
