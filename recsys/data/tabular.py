@@ -198,15 +198,17 @@ class SideTable:
         self.numeric: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.sparse: dict[str, Jagged] = {}
         for d in spec.dense:
-            if d.column in self.columns and d.column != on:
-                values, missing = table.numeric(d.column, problems)
-                self.numeric[d.column] = (np.append(values, 0.0), np.append(missing, True))
+            column = d.column or d.name
+            if column in self.columns and column != on and column not in self.numeric:
+                values, missing = table.numeric(column, problems)
+                self.numeric[column] = (np.append(values, 0.0), np.append(missing, True))
         if spec.label.column in self.columns and spec.label.column != on:
             values, missing = table.numeric(spec.label.column, problems)
             self.numeric[spec.label.column] = (np.append(values, 0.0), np.append(missing, True))
         for s in spec.sparse:
-            if s.column in self.columns and s.column != on:
-                j = table.sparse(s.column, s, problems)
+            column = s.column or s.name
+            if column in self.columns and column != on:
+                j = table.sparse(column, s, problems)
                 # One extra empty row at index n: what a row without a match gets.
                 self.sparse[s.name] = Jagged(j.values, np.append(j.lengths, 0))
         self.missing_row = n
