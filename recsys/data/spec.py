@@ -77,6 +77,13 @@ class DenseSpec:
     shift: float = 0.0
     scale: float = 1.0
     fill: float = 0.0
+    invalid: str = "error"  # "missing": a value that is not a number counts as missing (no error)
+
+    def __post_init__(self) -> None:
+        if self.invalid not in ("error", "missing"):
+            raise ValueError(
+                f"dense feature {self.name!r}: invalid must be 'error' or 'missing', got {self.invalid!r}"
+            )
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -195,7 +202,7 @@ def _build(cls: type, values: Any, where: str) -> Any:
             kwargs[key] = enum_cls(kwargs[key])
     try:
         return cls(**kwargs)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise UserError(f"{where}: {err}") from None
 
 

@@ -31,8 +31,10 @@ class Table(Protocol):
     @property
     def num_rows(self) -> int: ...
 
-    def numeric(self, column: str, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
-        """(values (N,) float64, missing (N,) bool)."""
+    def numeric(
+        self, column: str, problems: Problems, *, lenient: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(values (N,) float64, missing (N,) bool); ``lenient``: non-numbers are missing, not errors."""
         ...
 
     def sparse(self, column: str, feature: SparseSpec, problems: Problems) -> Jagged: ...
@@ -60,8 +62,14 @@ class TextTable:
     def _col(self, column: str) -> int:
         return self.columns.index(column)
 
-    def numeric(self, column: str, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
-        return parse_float(self.fields, self._col(column), name=column, problems=problems)
+    def numeric(
+        self, column: str, problems: Problems, *, lenient: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if not lenient:
+            return parse_float(self.fields, self._col(column), name=column, problems=problems)
+        own = Problems(self.num_rows)  # values that are not numbers become missing
+        values, missing = parse_float(self.fields, self._col(column), name=column, problems=own)
+        return np.where(own.bad, 0.0, values), missing | own.bad
 
     def sparse(self, column: str, feature: SparseSpec, problems: Problems) -> Jagged:
         col = self._col(column)
@@ -111,7 +119,9 @@ class ArrowTable:
         arr = self.batch.column(self.columns.index(column))
         return arr.cast(pa.large_string()) if pa.types.is_string(arr.type) else arr
 
-    def numeric(self, column: str, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
+    def numeric(
+        self, column: str, problems: Problems, *, lenient: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
         import pyarrow as pa
 
         arr = self._array(column)
@@ -200,7 +210,7 @@ class SideTable:
         for d in spec.dense:
             column = d.column or d.name
             if column in self.columns and column != on and column not in self.numeric:
-                values, missing = table.numeric(column, problems)
+                values, missing = table.numeric(column, problems, lenient=d.invalid == "missing")
                 self.numeric[column] = (np.append(values, 0.0), np.append(missing, True))
         if spec.label.column in self.columns and spec.label.column != on:
             values, missing = table.numeric(spec.label.column, problems)
@@ -251,9 +261,9 @@ def to_block(
                 return side, side_rows[i]
         return None
 
-    def numeric(column: str) -> tuple[np.ndarray, np.ndarray]:
+    def numeric(column: str, lenient: bool = False) -> tuple[np.ndarray, np.ndarray]:
         if column in table.columns:
-            return table.numeric(column, problems)
+            return table.numeric(column, problems, lenient=lenient)
         found = side_of(column)
         if found is None:
             raise UserError(
@@ -266,7 +276,7 @@ def to_block(
     n = table.num_rows
     dense = np.zeros((n, len(spec.dense)), dtype=np.float32)
     for j, d in enumerate(spec.dense):
-        values, missing = numeric(d.column or d.name)
+        values, missing = numeric(d.column or d.name, d.invalid == "missing")
         dense[:, j] = _transform(d, values, missing)
     ids = []
     for s in spec.sparse:
