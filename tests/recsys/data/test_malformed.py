@@ -115,3 +115,14 @@ def test_csv_bad_number_and_bad_id(tmp_path):
         MalformedInputError, match=r"a\.csv:3: field 'u' \(column 1\): id outside the id space: '2'"
     ):
         next(ds.train_batches(rank=0, world_size=1, batch_size=2, start_step=0))
+
+
+def test_dense_invalid_missing_turns_junk_into_the_fill_value(tmp_path):
+    (tmp_path / "a.csv").write_text("u,x,y\n1,0.5,1\n2,unkonwn,0\n3,,1\n")
+    (tmp_path / "s.toml").write_text(
+        'name = "a"\nformat = "csv"\n[source]\nfiles = ["a.csv"]\n[read]\ndelimiter = ","\n[label]\ncolumn = "y"\n'
+        '[split]\neval_fraction = 0.0\n[[dense]]\nname = "x"\ninvalid = "missing"\nfill = -1.0\n[[sparse]]\nname = "u"\n'
+    )
+    ds = build_dataset(DataConfig(source=str(tmp_path / "s.toml")), synthetic=SyntheticConfig(), seed=0)
+    b = next(ds.train_batches(rank=0, world_size=1, batch_size=3, start_step=0))
+    assert b.dense[:, 0].tolist() == [0.5, -1.0, -1.0] and b.labels.tolist() == [1.0, 0.0, 1.0]
