@@ -36,6 +36,7 @@ class PrefetchPlan:
     """Ids one prefetch reads from LMDB without the store lock, and the ids moved down meanwhile."""
 
     ids: np.ndarray  # (M,) sorted unique
+    epoch: int  # the table's epoch when the plan was made
     moved_down: list[np.ndarray] = field(default_factory=list)
 
 
@@ -60,6 +61,7 @@ class TieredTable:
         self.device: DeviceTier | None = None
         self.stats = {tier: TierStats() for tier in Tier}
         self._plans: list[PrefetchPlan] = []  # prefetches whose LMDB read runs unlocked
+        self._epoch = 0  # bumped whenever rows enter the device or host tier
 
     # ------------------------------------------------------------------------------------- helpers
     def bind(self, weights: torch.Tensor, state: torch.Tensor | None) -> None:
@@ -129,6 +131,7 @@ class TieredTable:
         self.stats[Tier.SSD].add_in(ids.shape[0], self.spec.row_bytes)
 
     def _put_host(self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future: FutureIds) -> None:
+        self._epoch += 1
         host = self.stats[Tier.HOST]
         spill_ids, spill_rows, evicted = self.host.put(ids, rows, dirty=dirty, future=future)
         host.evictions += evicted
@@ -165,6 +168,7 @@ class TieredTable:
         if need > 0:
             victims = device.policy.victims(need, candidates, device.future_mask(candidates, future))
             self._evict_slots(victims, future)
+        self._epoch += 1
         new_slots = device.allocate(miss_ids)
         device.write(new_slots, rows)
         stats.add_in(miss_ids.shape[0], self.spec.row_bytes)
@@ -234,7 +238,7 @@ class TieredTable:
         if found.any():
             self._put_host(todo[found], pending, dirty=False, future=future)
             self.stats[Tier.SSD].hits += int(found.sum())
-        plan = PrefetchPlan(ids=todo[~found])
+        plan = PrefetchPlan(ids=todo[~found], epoch=self._epoch)
         self._plans.append(plan)
         return plan
 
@@ -254,9 +258,12 @@ class TieredTable:
             rows[~on_disk] = self._init(plan.ids[~on_disk])
         # Drop rows that another call brought up meanwhile, or that went down (their LMDB copy we
         # read may be older than what the writer now holds).
-        keep = self.host.lookup(plan.ids) < 0
-        if self.device is not None:
-            keep &= self.device.lookup(plan.ids) < 0
+        # Unchanged epoch: nothing entered a tier since the plan, so every row read is still absent.
+        keep = np.ones(plan.ids.shape[0], dtype=bool)
+        if plan.epoch != self._epoch:
+            keep &= self.host.lookup(plan.ids) < 0
+            if self.device is not None:
+                keep &= self.device.lookup(plan.ids) < 0
         if plan.moved_down:
             keep &= ~np.isin(plan.ids, np.concatenate(plan.moved_down))
         ssd = self.stats[Tier.SSD]

@@ -67,7 +67,7 @@ class _Positions:
         """Give (N,) absent unique ids free positions; returns (N,) positions."""
         n = ids.shape[0]
         assert n <= self._num_free, "allocate beyond free positions"
-        pos = self._free[self._num_free - n : self._num_free].copy()
+        pos = self._free[self._num_free - n : self._num_free][::-1].copy()  # ascending when unfragmented
         self._num_free -= n
         self.ids[pos] = ids
         self.map.insert(ids, pos)
@@ -136,7 +136,10 @@ class HostTier(_Positions):
             spill_rows.append(victim_rows[victim_dirty])
         if ids.shape[0]:
             pos = self.allocate(ids)
-            self._arena_np[pos] = rows
+            if pos[-1] - pos[0] == pos.shape[0] - 1 and (np.diff(pos) == 1).all():  # one contiguous block
+                self._arena_np[pos[0] : pos[-1] + 1] = rows
+            else:
+                self._arena_np[pos] = rows
             self.dirty[pos] = dirty
         evicted = max(need, 0)
         if not spill_ids:
