@@ -109,11 +109,12 @@ def test_bind_checks_shapes(store_dir) -> None:
 def test_writer_failure_surfaces_on_the_next_call_not_a_hang(store_dir, monkeypatch) -> None:
     store = _open(store_dir)
     monkeypatch.setattr(store._backend, "put_rows", lambda writes: (_ for _ in ()).throw(OSError("boom")))
-    store.make_resident(0, {"t": torch.arange(8)})
-    store.release(0)
-    store.make_resident(1, {"t": torch.arange(8, 16)})  # evicts 8 rows -> host (4) -> writer -> fails
-    store.release(1)
+    # The writer thread may fail before any of these calls returns: the error must surface on one of them.
     with pytest.raises(StoreError, match="boom") as info:
+        store.make_resident(0, {"t": torch.arange(8)})
+        store.release(0)
+        store.make_resident(1, {"t": torch.arange(8, 16)})  # evicts 8 rows -> host (4) -> writer -> fails
+        store.release(1)
         for batch in range(2, 10):
             store.make_resident(batch, {"t": torch.arange(batch * 8, batch * 8 + 8)})
             store.release(batch)
