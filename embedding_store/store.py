@@ -34,6 +34,9 @@ from embedding_store.writer import WriteBehind
 
 __all__ = ["RowChunk", "TieredStore", "restore_snapshot"]
 
+# Union-of-future-ids sets kept (per table and window): enough for the stages working on different windows.
+_FUTURE_CACHE_ENTRIES = 8
+
 IdsLike = torch.Tensor | np.ndarray
 
 
@@ -110,8 +113,7 @@ class TieredStore:
         self._idle = threading.Condition(self._lock)
         self._unlocked_reads = 0
         self._announced: dict[int, dict[str, np.ndarray]] = {}
-        self._announce_version = 0
-        self._future_cache: dict[tuple[str, int, int], np.ndarray | None] = {}
+        self._future_cache: dict[tuple[str, tuple[int, ...]], np.ndarray | None] = {}
         self._in_flight: dict[int, list[str]] = {}  # batch -> tables it pinned
         self._closed = False
 
@@ -139,13 +141,17 @@ class TieredStore:
         """
 
         def future() -> np.ndarray | None:
-            key = (name, batch_id, self._announce_version)
+            window = tuple(
+                sorted(b for b in self._announced if b >= batch_id)[: self.config.lookahead_batches + 1]
+            )
+            # Keyed by the window's batches (their announced ids never change; re-announcing a batch clears
+            # the cache): the fill and prefetch stages work on different windows and must not evict each
+            # other's entry on every call.
+            key = (name, window)
             if key not in self._future_cache:
-                window = sorted(b for b in self._announced if b >= batch_id)[
-                    : self.config.lookahead_batches + 1
-                ]
                 parts = [self._announced[b][name] for b in window if name in self._announced[b]]
-                self._future_cache.clear()
+                if len(self._future_cache) >= _FUTURE_CACHE_ENTRIES:
+                    self._future_cache.pop(next(iter(self._future_cache)))
                 self._future_cache[key] = np.unique(np.concatenate(parts)) if parts else None
             return self._future_cache[key]
 
@@ -176,8 +182,9 @@ class TieredStore:
                 arr = _as_ids(ids)
                 table.check_ids(arr)
                 announced[name] = np.unique(arr)
+            if batch_id in self._announced:  # its ids may change: cached windows holding it are stale
+                self._future_cache.clear()
             self._announced[batch_id] = announced
-            self._announce_version += 1
 
     def prefetch(self, batch_id: int) -> None:
         """Read an announced batch's rows that are on no tier above LMDB into the host arena.
@@ -254,7 +261,6 @@ class TieredStore:
             for name in pinned:
                 self._tables[name].release(batch_id)
             self._announced.pop(batch_id, None)
-            self._announce_version += 1
 
     def evict(self, table: str, ids: IdsLike | None = None) -> int:
         """Write rows back from the device tier (to the host tier, whose dirty victims go to the
