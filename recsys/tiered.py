@@ -53,6 +53,8 @@ _OPTIMIZER = {
     SparseOptimizer.EXACT_ROWWISE_ADAGRAD: OptimizerKind.EXACT_ROWWISE_ADAGRAD,
 }
 TRAIN, EVAL = "train", "eval"
+# Id spaces up to this size use a dense id -> slot array (one gather per lookup) instead of a hash map.
+DENSE_INDEX_MAX_IDS = 1 << 26
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # as int64, for wrapping torch multiplies
 _M2 = 0x94D049BB133111EB - (1 << 64)
 
@@ -93,7 +95,8 @@ class TieredTables:
     Args:
         dmp: the sharded model; the local shards of the tiered slot tables are bound to the store.
         tables: every table config of the model (tiered ones have ``num_embeddings`` = slot capacity).
-        tiered: names of the tiered tables (one feature each, ``t_<feature>``).
+        tiered: the tiered tables (one feature each, ``t_<feature>``) with their id spaces; a small id
+            space gets the store's dense id -> slot index, a large one its hash index.
         settings: ``(store section, sparse section, seed)``.
         path: this job's store directory; rank r keeps its LMDB in ``path/rank_r``.
     """
@@ -103,7 +106,7 @@ class TieredTables:
         dmp: DistributedModelParallel,
         tables: list[EmbeddingBagConfig],
         *,
-        tiered: list[str],
+        tiered: dict[str, int],
         settings: tuple[StoreSection, SparseConfig, int],
         path: Path,
     ) -> None:
@@ -135,6 +138,7 @@ class TieredTables:
                     dim=configs[name].embedding_dim,
                     optimizer=_OPTIMIZER[sparse.optimizer],
                     init_scale=sparse.init_scale,
+                    num_embeddings=tiered[name] if tiered[name] <= DENSE_INDEX_MAX_IDS else None,
                     device_capacity_rows=shards[name].weight.shape[0],
                 )
                 for name in sorted(shards)

@@ -100,7 +100,11 @@ class Trainer:
             self.tiered = TieredTables(
                 self.dmp,
                 self.tables,
-                tiered=[f"t_{f}" for f in features if f in tiered],
+                tiered={
+                    f"t_{f}": space
+                    for f, space in zip(features, self.data.id_spaces, strict=True)
+                    if f in tiered
+                },
                 settings=(cfg.store, cfg.sparse, cfg.train.seed),
                 path=store_path,
             )
