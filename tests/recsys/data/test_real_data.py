@@ -56,8 +56,9 @@ def test_open_bandit_trains_end_to_end(repo_root, cli_env, python, tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TIERREC_SKIP_ML1M_TRAIN") == "1", reason="asked to skip")
-def test_movielens_1m_dlrm_beats_logistic_regression(repo_root, cli_env, python, tmp_path):
-    dlrm = _train(repo_root, cli_env, python, "configs/movielens-1m.toml", tmp_path / "dlrm")
+def test_movielens_1m_dlrm_dcn_beats_logistic_regression(repo_root, cli_env, python, tmp_path):
+    dlrm = _train(repo_root, cli_env, python, "configs/movielens-1m.toml", tmp_path / "dcn")
+    assert dlrm["model"] == "dcn"
     lr = _train(
         repo_root, cli_env, python, "configs/movielens-1m.toml", tmp_path / "lr", "model.name=logistic"
     )
