@@ -103,9 +103,8 @@ class TextSource:
                         break
                     left -= n
                 yield path, data, first
-            if count is None:
-                return  # reading to the end of the last file needs no count
-            base += count
+            if count is not None:  # None: reading every file whole, positions are not needed
+                base += count
 
     def _parsed(self, lo: int) -> Iterator[tuple[Block, np.ndarray | None]]:
         """Parsed chunks in file order; ``workers`` threads parse ahead (bounded: 2 chunks per worker)."""

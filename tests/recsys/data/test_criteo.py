@@ -134,3 +134,20 @@ def test_preprocess_user_error_is_one_line(tmp_path, capsys):
     assert main(["preprocess", str(bad), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"recsys: error: {bad}:1: expected 40 fields, got 2"
+
+
+def test_terabyte_layout_days_and_held_out_day(tmp_path):
+    days = [criteo_lines(n, seed=20 + d) for d, n in enumerate((300, 200, 100))]
+    for d, lines in enumerate(days):
+        (tmp_path / f"day_{d}").write_text("\n".join(lines) + "\n")
+    spec = (
+        'name = "tb"\nformat = "criteo_tsv"\n[source]\nfiles = ["day_*"]\n[split]\neval_files = ["day_2"]\n'
+    )
+    spec = spec.replace('files = ["day_*"]', 'files = ["day_0", "day_1"]')
+    ds = _dataset(_spec(tmp_path, spec))
+    assert ds.train_source.num_rows() == 500 and ds.eval_source.num_rows() == 100
+    from recsys.data.block import Block
+
+    _check_against_oracle(Block.concat(list(ds.train_source.blocks())), days[0] + days[1])
+    _check_against_oracle(Block.concat(list(ds.eval_source.blocks())), days[2])
+    _check_against_oracle(Block.concat(list(ds.train_source.blocks(skip_rows=250))), days[0][250:] + days[1])
