@@ -31,15 +31,12 @@ class IdMap(Protocol):
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """(N,) int64 ids, duplicates allowed -> (N,) int64 positions, -1 where absent."""
-        ...
 
     def insert(self, ids: np.ndarray, positions: np.ndarray) -> None:
         """Insert (N,) unique ids that are absent, with their (N,) positions."""
-        ...
 
     def remove(self, ids: np.ndarray) -> None:
         """Remove (N,) unique ids that are present."""
-        ...
 
     def __len__(self) -> int: ...
 

@@ -34,12 +34,10 @@ class Dataset(Protocol):
     @property
     def feature_names(self) -> list[str]:
         """Sparse feature names, in KJT key order."""
-        ...
 
     @property
     def id_spaces(self) -> list[int]:
         """Per sparse feature, ids lie in [0, id_space) (up to 2**63 for raw hashed ids)."""
-        ...
 
     @property
     def num_dense(self) -> int: ...
@@ -52,14 +50,12 @@ class Dataset(Protocol):
         ``train_batches(start_step=k)`` yields exactly what an iterator started at 0 yields from step k (the
         data position of a checkpoint), and every rank yields the same number of batches.
         """
-        ...
 
     def eval_batches(self, *, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """This rank's disjoint share of the held-out split, at most ``batch_size`` samples per batch.
 
         Every rank must yield the same number of batches: the sharded forward is collective.
         """
-        ...
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

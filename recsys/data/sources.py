@@ -30,7 +30,6 @@ class RowSource(Protocol):
 
     def blocks(self, *, skip_rows: int = 0) -> Iterator[Block]:
         """One pass over the rows, starting after the first ``skip_rows``."""
-        ...
 
 
 class TextSource:

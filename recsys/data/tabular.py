@@ -35,13 +35,11 @@ class Table(Protocol):
         self, column: str, problems: Problems, *, lenient: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
         """(values (N,) float64, missing (N,) bool); ``lenient``: non-numbers are missing, not errors."""
-        ...
 
     def sparse(self, column: str, feature: SparseSpec, problems: Problems) -> Jagged: ...
 
     def keys(self, column: str) -> np.ndarray:
         """(N,) int64 hashed join keys."""
-        ...
 
 
 @dataclass
