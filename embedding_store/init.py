@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 import torch
 
-__all__ = ["init_rows", "table_key"]
+__all__ = ["init_rows", "mix64", "table_key"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -32,6 +32,11 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     x *= _M2
     x ^= x >> np.uint64(31)
     return x
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser of a uint64 array: a new array of well-mixed 64-bit hashes."""
+    return _mix64(x.astype(np.uint64, copy=True))
 
 
 def table_key(seed: int, table: str) -> np.uint64:

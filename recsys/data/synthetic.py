@@ -22,25 +22,15 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from embedding_store.init import mix64 as _mix
 from recsys.data.batch import Batch
 
 __all__ = ["SyntheticConfig", "SyntheticCriteo", "MAX_ID_SPACE"]
 
 MAX_ID_SPACE = 1 << 63
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SPLITS = {"train": 1, "eval": 2}
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser (returns a new uint64 array)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
 
 
 def _key(*parts: int | str) -> np.uint64:

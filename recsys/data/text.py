@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embedding_store.init import mix64 as _mix
 from recsys.errors import UserError
 
 __all__ = [
@@ -388,18 +389,7 @@ def parse_float(f: Fields, col: int, *, name: str, problems: Problems) -> tuple[
     return value, missing
 
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _SALT = np.uint64(0x7F4A7C159E3779B9)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
 
 
 def _hash_matrix(mat: np.ndarray, lens: np.ndarray) -> np.ndarray:
