@@ -86,14 +86,9 @@ def _fail(message: str) -> int:
 
 def _worker(local_rank: int, nproc: int, port: int, config: object, out: Path, resume: bool) -> None:
     """Entry point of a self-spawned worker process."""
-    os.environ.update(
-        RANK=str(local_rank),
-        WORLD_SIZE=str(nproc),
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from recsys.distributed import set_local_rank_env
+
+    set_local_rank_env(local_rank, nproc, port)
     _quiet_libraries()
     from recsys.errors import UserError
     from recsys.train import run

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "launched_by_torchrun", "free_port", "init_distributed", "compute_device"]
+__all__ = [
+    "DistEnv",
+    "launched_by_torchrun",
+    "free_port",
+    "init_distributed",
+    "compute_device",
+    "set_local_rank_env",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +45,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def set_local_rank_env(rank: int, world_size: int, port: int) -> None:
+    """Describe a rank of a single-machine job in the environment, as torchrun would."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 def compute_device(local_rank: int) -> torch.device:

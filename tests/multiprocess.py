@@ -6,7 +6,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -14,18 +13,11 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recsys.distributed import free_port
+from recsys.distributed import free_port, set_local_rank_env
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg: Any, queue: Any) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_local_rank_env(rank, world_size, port)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, "ok", fn(rank, world_size, arg)))
