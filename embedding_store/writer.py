@@ -27,6 +27,7 @@ class _Pending:
     table: str
     ids: np.ndarray  # (N,) int64, sorted, unique
     rows: np.ndarray  # (N, R) float32
+    done: int = 0  # leading rows already committed (a large submission goes in several transactions)
 
 
 class WriteBehind:
@@ -119,13 +120,17 @@ class WriteBehind:
                 self._cond.wait_for(lambda: self._stop or len(self._pending) > self._in_flight)
                 if not self._pending:
                     return  # stopped and drained
-                batch: list[_Pending] = []
+                batch: list[_Pending] = []  # slices of the leftmost entries, at most batch_rows rows
                 rows = 0
                 for entry in self._pending:
-                    if batch and rows + entry.ids.shape[0] > self._batch_rows:
+                    take = min(entry.ids.shape[0] - entry.done, self._batch_rows - rows)
+                    if take <= 0:
                         break
-                    batch.append(entry)
-                    rows += entry.ids.shape[0]
+                    end = entry.done + take
+                    batch.append(
+                        _Pending(entry.table, entry.ids[entry.done : end], entry.rows[entry.done : end])
+                    )
+                    rows += take
                 self._in_flight = len(batch)
             start = time.perf_counter()
             try:
@@ -137,8 +142,11 @@ class WriteBehind:
                     self._cond.notify_all()
                 return
             with self._cond:
-                for _ in batch:
-                    self._pending.popleft()
+                for part in batch:
+                    entry = self._pending[0]
+                    entry.done += part.ids.shape[0]
+                    if entry.done == entry.ids.shape[0]:
+                        self._pending.popleft()
                 self._pending_rows -= rows
                 self._in_flight = 0
                 self.commits += 1
