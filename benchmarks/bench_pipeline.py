@@ -45,7 +45,7 @@ pipelined_vs_sequential_cold, step_vs_slowest_stage (<= 1.15), sequential_step_v
 lookahead_hit_rate, lru_hit_rate, belady_hit_rate, lookahead_vs_belady (>= 0.95), the lookahead depth,
 the sizes used, and the CPU-time and overlap-bound companions of the throughput ratios.
 
-Usage: python benchmarks/bench_pipeline.py [--quick] [--repeats 3] [--lookahead 64] [--dir /tmp/...]
+Usage: python benchmarks/bench_pipeline.py [--quick] [--repeats 3] [--lookahead 128] [--dir /tmp/...]
        [--only fits_cache,ssd_bound,cold,delays,hit_rates] [--delays-ms 20,10,30]
 """
 
@@ -779,7 +779,7 @@ def main() -> None:
         "--repeats", type=int, default=None, help="repeats per variant (default 3; --quick: 1)"
     )
     parser.add_argument(
-        "--lookahead", type=int, default=64, help="LOOKAHEAD depth of the hit-rate experiment"
+        "--lookahead", type=int, default=128, help="LOOKAHEAD depth of the hit-rate experiment"
     )
     parser.add_argument(
         "--delays-ms", default="20,10,30", help="injected SSD read, key routing, compute delays"

@@ -44,7 +44,7 @@ class PolicyKind(enum.Enum):
 
     LRU = "lru"  # least recently used batch first
     LFU = "lfu"  # fewest batches that used the row first, LRU among equals
-    LOOKAHEAD = "lookahead"  # rows no announced batch of the next L uses first, LRU among them
+    LOOKAHEAD = "lookahead"  # rows no announced batch of the next L uses first (LRU), then furthest next use
 
 
 class Tier(enum.Enum):

@@ -60,7 +60,8 @@ class EvictionPolicy:
         Args:
             n: how many.
             candidates: (K,) int64 distinct evictable positions (occupied and unpinned).
-            future: (K,) bool, True where an announced upcoming batch uses the candidate's row;
+            future: (K,) int64 batches until an announced upcoming batch next uses the candidate's
+                row, -1 where none does (a bool mask also works: True = needed, distance unknown);
                 only LOOKAHEAD reads it.
 
         Returns:
@@ -98,8 +99,12 @@ class LfuPolicy(EvictionPolicy):
         return (count << _TICK_BITS) | self.last_use[candidates]
 
 
+_DIST_BITS = 20  # next-use distances above 2^20 - 1 batches tie
+
+
 class LookaheadPolicy(EvictionPolicy):
-    """Window-limited Belady: rows none of the next L announced batches uses first, LRU among them."""
+    """Window-limited Belady: rows none of the next L announced batches uses go first, least recently
+    used among them; then the announced rows whose next use is furthest away (LRU among equals)."""
 
     kind = PolicyKind.LOOKAHEAD
     needs_future = True
@@ -108,7 +113,13 @@ class LookaheadPolicy(EvictionPolicy):
         key = self.last_use[candidates]
         if future is None:
             return key
-        return key | (future.astype(np.int64) << 62)
+        if future.dtype == np.bool_:
+            future = np.where(future, 0, -1)
+        far = (1 << _DIST_BITS) - 1
+        needed = future >= 0
+        # needed rows: above every unneeded one (bit 61), nearer uses higher (kept longer).
+        rank = (far - np.minimum(future, far)) << _TICK_BITS
+        return np.where(needed, key | rank | (1 << 61), key)
 
 
 _POLICIES: dict[PolicyKind, type[EvictionPolicy]] = {

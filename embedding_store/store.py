@@ -63,6 +63,18 @@ def _as_ids(ids: IdsLike) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
 
 
+def _first_uses(parts: list[np.ndarray], distances: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique ids of ``parts`` (each unique, in batch order) and the distance of the first part
+    holding each."""
+    ids = np.concatenate(parts)
+    dist = np.repeat(distances.astype(np.int64), [p.shape[0] for p in parts])
+    order = np.argsort(ids, kind="stable")  # equal ids keep batch order: the first is the nearest use
+    ids, dist = ids[order], dist[order]
+    first = np.ones(ids.shape[0], dtype=bool)
+    first[1:] = ids[1:] != ids[:-1]
+    return ids[first], dist[first]
+
+
 class TieredStore:
     """Embedding rows of several tables on three tiers: device slots, host DRAM, LMDB.
 
@@ -113,7 +125,7 @@ class TieredStore:
         self._idle = threading.Condition(self._lock)
         self._unlocked_reads = 0
         self._announced: dict[int, dict[str, np.ndarray]] = {}
-        self._future_cache: dict[tuple[str, tuple[int, ...]], np.ndarray | None] = {}
+        self._future_cache: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray] | None] = {}
         self._in_flight: dict[int, list[str]] = {}  # batch -> tables it pinned
         self._closed = False
 
@@ -135,12 +147,13 @@ class TieredStore:
             raise ValueError(f"unknown table {name!r}; tables are {sorted(self._tables)}") from None
 
     def _future(self, name: str, batch_id: int) -> FutureIds:
-        """Lazily: sorted ids of ``name`` used by the batch and the next L announced batches.
+        """Lazily: sorted ids of ``name`` used by the batch and the next L announced batches, with the
+        number of batches from ``batch_id`` to each id's first use in that window.
 
         Computed only when a LOOKAHEAD tier must evict, and cached until the announcements change.
         """
 
-        def future() -> np.ndarray | None:
+        def future() -> tuple[np.ndarray, np.ndarray] | None:
             window = tuple(
                 sorted(b for b in self._announced if b >= batch_id)[: self.config.lookahead_batches + 1]
             )
@@ -149,10 +162,14 @@ class TieredStore:
             # other's entry on every call.
             key = (name, window)
             if key not in self._future_cache:
-                parts = [self._announced[b][name] for b in window if name in self._announced[b]]
+                used = [b for b in window if name in self._announced[b]]
                 if len(self._future_cache) >= _FUTURE_CACHE_ENTRIES:
                     self._future_cache.pop(next(iter(self._future_cache)))
-                self._future_cache[key] = np.unique(np.concatenate(parts)) if parts else None
+                self._future_cache[key] = (
+                    _first_uses([self._announced[b][name] for b in used], np.array(used) - batch_id)
+                    if used
+                    else None
+                )
             return self._future_cache[key]
 
         return future

@@ -27,7 +27,7 @@ from embedding_store.writer import WriteBehind
 __all__ = ["PrefetchPlan", "TieredTable"]
 
 
-def _no_future() -> np.ndarray | None:
+def _no_future() -> tuple[np.ndarray, np.ndarray] | None:
     return None
 
 

@@ -18,7 +18,9 @@ from embedding_store.policies import make_policy
 
 __all__ = ["DeviceTier", "FutureIds", "HostTier"]
 
-FutureIds = Callable[[], "np.ndarray | None"]  # lazily: sorted ids the next announced batches use
+# Lazily: (sorted ids the announced batches of the window use, (N,) batches from now to each id's first
+# use there), or None when nothing is announced.
+FutureIds = Callable[[], "tuple[np.ndarray, np.ndarray] | None"]
 
 
 class _Positions:
@@ -52,15 +54,17 @@ class _Positions:
         return self.ids[self.ids >= 0]
 
     def future_mask(self, positions: np.ndarray, future: FutureIds) -> np.ndarray | None:
-        """(K,) True where the row at a position is used by an announced upcoming batch."""
+        """(K,) batches until an announced batch next uses the row at each position; -1 where none does."""
         if not self.policy.needs_future:
             return None
-        future_ids = future()
-        if future_ids is None:
+        announced = future()
+        if announced is None:
             return None
-        mark = np.zeros(self.capacity, dtype=bool)
+        future_ids, distance = announced
+        mark = np.full(self.capacity, -1, dtype=np.int64)
         pos = self.map.lookup(future_ids)
-        mark[pos[pos >= 0]] = True
+        hit = pos >= 0
+        mark[pos[hit]] = distance[hit]
         return mark[positions]
 
     def allocate(self, ids: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ __all__ = ["EvictionPolicy", "PipelineSection", "StoreSection"]
 
 
 class EvictionPolicy(enum.Enum):
-    LOOKAHEAD = "lookahead"  # evict rows that none of the next `lookahead` batches uses, LRU among them
+    LOOKAHEAD = "lookahead"  # unannounced rows first (LRU among them), then the furthest next use
     LRU = "lru"
     LFU = "lfu"
 

@@ -27,7 +27,8 @@ def test_contract_victims_are_distinct_candidates(kind, capacity, touches, data)
     for t in touches:
         policy.touch(np.array([x % capacity for x in t], dtype=np.int64))
     candidates = np.array(sorted(data.draw(st.sets(st.integers(0, capacity - 1)))), dtype=np.int64)
-    future = np.array(data.draw(st.lists(st.booleans(), min_size=len(candidates), max_size=len(candidates))))
+    distances = st.lists(st.integers(-1, 9), min_size=len(candidates), max_size=len(candidates))
+    future = np.array(data.draw(distances), dtype=np.int64)
     n = data.draw(st.integers(0, len(candidates)))
     victims = policy.victims(n, candidates, future)
     assert victims.shape == (n,)
@@ -77,6 +78,35 @@ def test_lookahead_keeps_rows_of_announced_batches_then_lru() -> None:
     future = np.array([True, False, True, False])  # slots 0 and 2 are needed soon
     assert policy.victims(2, np.arange(4), future).tolist() == [1, 3]
     assert policy.victims(3, np.arange(4), future).tolist() == [1, 3, 0]  # then LRU among the needed
+
+
+def test_lookahead_evicts_the_furthest_next_use_among_announced_rows() -> None:
+    """Unannounced rows first (LRU among them), then announced rows by decreasing next-use distance."""
+    policy = make_policy(PolicyKind.LOOKAHEAD, 6)
+    policy.insert(np.arange(6))
+    for slot in [5, 4, 3, 2, 1, 0]:  # slot 0 most recently used
+        policy.touch(np.array([slot]))
+    future = np.array([3, -1, 1, 5, -1, 3])  # batches until the next use; -1: not announced
+    order = policy.victims(5, np.arange(6), future).tolist()
+    assert order[:2] == [4, 1]  # unannounced, least recently used first
+    assert order[2] == 3  # next use in 5 batches
+    assert order[3:] == [5, 0]  # both in 3 batches: LRU among equals; slot 2 (needed next) stays
+    assert policy.victims(3, np.arange(6), future).tolist() == order[:3]
+
+
+def test_first_uses_matches_a_dict_oracle() -> None:
+    from embedding_store.store import _first_uses
+
+    rng = np.random.default_rng(0)
+    parts = [np.unique(rng.integers(0, 50, size=rng.integers(1, 30))) for _ in range(6)]
+    distances = np.array([0, 1, 2, 4, 5, 7])
+    want: dict[int, int] = {}
+    for part, d in zip(parts, distances, strict=True):
+        for i in part.tolist():
+            want.setdefault(i, int(d))
+    ids, dist = _first_uses(parts, distances)
+    assert ids.tolist() == sorted(want)
+    assert dist.tolist() == [want[i] for i in sorted(want)]
 
 
 def test_large_candidate_sets_use_the_partition_path() -> None:
