@@ -70,11 +70,15 @@ def _warm(path: Path) -> None:
             pass
 
 
+CHUNK_KIB: int | None = None  # --chunk-kib; None: the reader's default
+
+
 def _source(path: Path, workers: int) -> TextSource:
     def parse(data: bytes, first: int, issues):  # noqa: ANN001, ANN202
         return parse_criteo(data, first_line=first, has_label=True, issues=issues), None
 
-    return TextSource([path], parse, header=False, on_error=OnError.RAISE, workers=workers)
+    extra = {} if CHUNK_KIB is None else {"chunk_bytes": CHUNK_KIB << 10}
+    return TextSource([path], parse, header=False, on_error=OnError.RAISE, workers=workers, **extra)
 
 
 def read_ours(path: Path, workers: int) -> tuple[int, float]:
@@ -204,10 +208,15 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs per reader; the best is kept")
     parser.add_argument("--workers", type=int, default=2, help="parser threads of our reader")
+    parser.add_argument(
+        "--chunk-kib", type=int, default=None, help="bytes per parsed chunk of our reader (default: its own)"
+    )
     parser.add_argument("--rss", action="store_true", help="stream a big file and report RSS instead")
     parser.add_argument("--gb", type=float, default=5.0, help="size of the --rss file")
     parser.add_argument("--dir", default="/tmp", help="where the generated file goes (deleted afterwards)")
     args = parser.parse_args()
+    global CHUNK_KIB
+    CHUNK_KIB = args.chunk_kib
     import pyarrow
 
     print(

@@ -47,7 +47,7 @@ class TextSource:
         header: bool,
         on_error: OnError,
         lines: tuple[int, int | None] = (0, None),
-        chunk_bytes: int = 4 << 20,
+        chunk_bytes: int = 512 << 10,
         workers: int = 2,
     ) -> None:
         self.files = files
