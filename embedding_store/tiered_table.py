@@ -230,6 +230,10 @@ class TieredTable:
     # --------------------------------------------------------------------------------- prefetch
     def plan_prefetch(self, ids: np.ndarray, future: FutureIds) -> PrefetchPlan:
         """Step 1 (locked): pending rows go to the host now; returns the ids left for an LMDB read."""
+        if self.host.capacity == 0:  # nowhere to park rows: the fill reads them itself, once
+            plan = PrefetchPlan(ids=ids[:0], epoch=self._epoch)
+            self._plans.append(plan)
+            return plan
         absent = self.host.lookup(ids) < 0
         if self.device is not None:
             absent &= self.device.lookup(ids) < 0

@@ -83,6 +83,16 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table of keys, got {value!r}")
+        return {str(k): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table of keys, got {value!r}")
+        return _build_section(where, annotation, value)
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{where} must be a list, got {value!r}")
@@ -200,6 +210,8 @@ def config_to_dict(cfg: Any) -> Any:
         return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, enum.Enum):
         return cfg.value
+    if isinstance(cfg, dict):
+        return {k: config_to_dict(v) for k, v in cfg.items()}
     if isinstance(cfg, tuple | list):
         return [config_to_dict(v) for v in cfg]
     return cfg

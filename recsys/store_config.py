@@ -3,11 +3,80 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from pipelines import PipelineMode
+from recsys.errors import UserError
 
-__all__ = ["EvictionPolicy", "PipelineSection", "StoreSection"]
+__all__ = [
+    "EvictionPolicy",
+    "PipelineSection",
+    "StoreSection",
+    "TableCapacity",
+    "load_tune",
+    "parse_size",
+    "resolve_capacities",
+    "rows_of",
+]
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of a size: an int (bytes) or a string such as ``"64MiB"``, ``"1.5GB"``, ``"512K"``.
+
+    ``KiB``/``MiB``/``GiB``/``TiB`` and the bare ``K``/``M``/``G``/``T`` are powers of 1024; ``KB``/``MB``/
+    ``GB``/``TB`` are powers of 1000; ``B`` or no unit is bytes.
+
+    >>> parse_size("64MiB"), parse_size("2GB"), parse_size(4096)
+    (67108864, 2000000000, 4096)
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"a size must be >= 0, got {text}")
+        return text
+    match = _SIZE.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"expected a size such as 4096, '64MiB' or '1.5GB', got {text!r}")
+    number, prefix, binary, unit_b = match.groups()
+    base = 1000 if (prefix and unit_b and not binary) else 1024
+    return int(float(number) * base ** _POWER[prefix.lower()])
+
+
+def rows_of(value: int | str, row_bytes: int) -> int:
+    """Rows of a capacity given in rows (an int) or as a size string (bytes, rounded down to rows)."""
+    if isinstance(value, int):
+        return value
+    return parse_size(value) // row_bytes
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TableCapacity:
+    """Capacities of one tiered table (``[store.capacity]``, keyed by sparse feature).
+
+    Attributes:
+        device: device slots on each owning rank: rows (an int) or a size (``"64MiB"``, rows of the table's
+            packed size: weights plus optimizer state); None keeps the ``[store]`` default.
+        host: host-DRAM rows on each owning rank, the same way.
+    """
+
+    device: int | str | None = None
+    host: int | str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("device", "host"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    parse_size(value)
+                except ValueError as err:
+                    raise ValueError(f"{name}: {err}") from None
+            elif value is not None and value < (1 if name == "device" else 0):
+                raise ValueError(f"{name} must be >= {1 if name == 'device' else 0} rows, got {value}")
 
 
 class EvictionPolicy(enum.Enum):
@@ -31,6 +100,11 @@ class StoreSection:
         lookahead: batches whose ids are announced ahead of use (LOOKAHEAD protects their rows and the
             prefetcher reads them from LMDB early).
         path: store directory (default: ``<run directory>/store``); one LMDB environment per rank.
+        capacity: per-table overrides, keyed by sparse feature (``[store.capacity]`` in TOML:
+            ``cat_0 = { device = 6000, host = "2MiB" }``); they win over ``capacities_from``.
+        capacities_from: a ``tune.json`` written by ``recsys tune-cache``; its per-table ``device_rows``
+            and ``host_rows`` win over ``device_rows``/``host_rows``, and the run reports its predicted hit
+            rates beside the measured ones.
     """
 
     tiered: bool = False
@@ -40,6 +114,8 @@ class StoreSection:
     policy: EvictionPolicy = EvictionPolicy.LOOKAHEAD
     lookahead: int = 4
     path: str = ""
+    capacity: dict[str, TableCapacity] = field(default_factory=dict)
+    capacities_from: str = ""
 
     def __post_init__(self) -> None:
         if self.device_rows < 1:
@@ -68,3 +144,53 @@ class PipelineSection:
     def __post_init__(self) -> None:
         if self.trace_batches < 0:
             raise ValueError(f"trace_batches must be >= 0, got {self.trace_batches}")
+
+
+def load_tune(path: str | Path) -> dict[str, dict[str, object]]:
+    """Per sparse feature, the entry of a ``tune.json`` (``device_rows``, ``host_rows``, predictions)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        tables = doc["tables"]
+        out = {}
+        for name, entry in tables.items():
+            feature = entry.get("feature", name.removeprefix("t_"))
+            for key in ("device_rows", "host_rows"):
+                if not isinstance(entry.get(key), int) or entry[key] < 0:
+                    raise ValueError(f"tables.{name}.{key} must be an int >= 0, got {entry.get(key)!r}")
+            out[feature] = entry
+        return out
+    except FileNotFoundError:
+        raise UserError(f"store.capacities_from: file not found: {path}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UserError(f"store.capacities_from = {str(path)!r} is not a tune.json: {err}") from None
+
+
+def resolve_capacities(
+    store: StoreSection, features: list[str], row_bytes: int
+) -> dict[str, tuple[int, int]]:
+    """``(device_rows, host_rows)`` per tiered feature: ``[store.capacity]``, else ``capacities_from``,
+    else ``device_rows``/``host_rows``.
+
+    Raises:
+        UserError: a capacity names a feature that is not tiered, or is out of range.
+    """
+    unknown = sorted(set(store.capacity) - set(features))
+    if unknown:
+        raise UserError(f"store.capacity names features that are not tiered: {unknown}; tiered: {features}")
+    tuned = load_tune(store.capacities_from) if store.capacities_from else {}
+    out = {}
+    for f in features:
+        device, host = store.device_rows, store.host_rows
+        if f in tuned:
+            device, host = int(tuned[f]["device_rows"]), int(tuned[f]["host_rows"])  # type: ignore[call-overload]
+        cap = store.capacity.get(f)
+        if cap is not None:
+            device = device if cap.device is None else rows_of(cap.device, row_bytes)
+            host = host if cap.host is None else rows_of(cap.host, row_bytes)
+        if device < 1:
+            raise UserError(
+                f"store.capacity.{f}.device = {cap.device if cap else device!r} is less than one row "
+                f"({row_bytes} bytes each)"
+            )
+        out[f] = (device, host)
+    return out

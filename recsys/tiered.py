@@ -43,9 +43,9 @@ from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, Stag
 from recsys.data.batch import Batch
 from recsys.sharding import local_shards
 from recsys.sparse import ShardingKind, SparseConfig, SparseOptimizer
-from recsys.store_config import PipelineSection, StoreSection
+from recsys.store_config import PipelineSection, StoreSection, resolve_capacities
 
-__all__ = ["TieredTables", "RoutedBatch", "owner_of_ids", "tiered_feed"]
+__all__ = ["TieredTables", "RoutedBatch", "owner_of_ids", "row_bytes", "tiered_feed"]
 
 _OPTIMIZER = {
     SparseOptimizer.EXACT_SGD: OptimizerKind.EXACT_SGD,
@@ -57,6 +57,11 @@ TRAIN, EVAL = "train", "eval"
 DENSE_INDEX_MAX_IDS = 1 << 26
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # as int64, for wrapping torch multiplies
 _M2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def row_bytes(sparse: SparseConfig, dim: int) -> int:
+    """Bytes of one row of a tiered table: ``dim`` float32 weights plus the optimizer's per-row state."""
+    return 4 * (dim + _OPTIMIZER[sparse.optimizer].state_floats(dim))
 
 
 def owner_of_ids(ids: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -132,6 +137,9 @@ class TieredTables:
         self.path = path / f"rank_{self.rank}"
         self.store: TieredStore | None = None
         if shards:
+            features = [self.feature[n] for n in sorted(shards)]
+            dims = {configs[n].embedding_dim for n in shards}
+            capacities = resolve_capacities(store_cfg, features, row_bytes(sparse, max(dims)))
             specs = [
                 TableSpec(
                     name=name,
@@ -140,6 +148,7 @@ class TieredTables:
                     init_scale=sparse.init_scale,
                     num_embeddings=tiered[name] if tiered[name] <= DENSE_INDEX_MAX_IDS else None,
                     device_capacity_rows=shards[name].weight.shape[0],
+                    host_capacity_rows=capacities[self.feature[name]][1],
                 )
                 for name in sorted(shards)
             ]
@@ -310,7 +319,7 @@ class TieredTables:
     # rows first initialised, rows written to LMDB, device evictions.
     COUNTERS = (
         "device_hits", "device_misses", "host_hits", "host_misses",
-        "ssd_rows_read", "rows_initialised", "ssd_rows_written", "device_evictions",
+        "ssd_rows_read", "rows_initialised", "ssd_rows_written", "device_evictions", "device_rows_in",
     )  # fmt: skip
 
     def counters(self) -> dict[str, torch.Tensor]:
@@ -329,6 +338,7 @@ class TieredTables:
                 ssd.misses,
                 ssd.rows_in,
                 dev.evictions,
+                dev.rows_in,
             ]
             out[name] = torch.tensor(values, dtype=torch.float64)
         return out

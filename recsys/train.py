@@ -32,7 +32,8 @@ from recsys.metrics import MetricsLog, auc_logloss, write_json
 from recsys.models import TrainModel, build_model, table_configs
 from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
 from recsys.sparse import ShardingKind
-from recsys.tiered import EVAL, TieredTables, tiered_feed
+from recsys.store_config import load_tune, resolve_capacities
+from recsys.tiered import EVAL, TieredTables, row_bytes, tiered_feed
 
 __all__ = ["run", "Trainer"]
 
@@ -57,6 +58,9 @@ THRASH_HIT_RATE = 0.5
 # Warnings repeat at most every this many log points.
 WARN_EVERY_LOGS = 10
 
+# Measured hit rates this far below the predicted ones get a warning.
+PREDICTION_TOLERANCE = 0.02
+
 # Batch ids of evaluation batches in the store, apart from training steps.
 EVAL_BATCH_BASE = 1 << 40
 
@@ -72,11 +76,13 @@ class Trainer:
         self.data = build_dataset(cfg.data, synthetic=cfg.synthetic, seed=cfg.train.seed)
         features = self.data.feature_names
         tiered = self._tiered_features(features)
-        slot_rows = cfg.store.device_rows * (
-            env.world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
+        # Per tiered feature: (device slots, host rows) on each owning rank.
+        self.capacities = resolve_capacities(
+            cfg.store, [f for f in features if f in tiered], row_bytes(cfg.sparse, cfg.model.table_dim)
         )
+        owners = env.world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
         num_embeddings = [
-            slot_rows if f in tiered else min(space, cfg.sparse.max_rows_per_table)
+            self.capacities[f][0] * owners if f in tiered else min(space, cfg.sparse.max_rows_per_table)
             for f, space in zip(features, self.data.id_spaces, strict=True)
         ]
         self.fold = [
@@ -93,6 +99,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.dmp, cfg.train)
         self.dense_optimizer = self.optimizer.optimizers[1][1]
         self.step = 0
+        # Store counters of evaluation batches and, at the end of training, of the training batches alone.
+        self._eval_counters: dict[str, torch.Tensor] = {}
+        self._train_counters: dict[str, torch.Tensor] = {}
         self.tiered: TieredTables | None = None
         self.pipeline_stats: dict[str, Any] = {}
         if tiered:
@@ -155,6 +164,7 @@ class Trainer:
         """
         if pipeline is not None:
             pipeline.detach()
+        before = {} if self.tiered is None else self.tiered.counters()
         self.dmp.eval()
         logits, labels = [], []
         batches = self.data.eval_batches(
@@ -170,6 +180,10 @@ class Trainer:
             logits.append(out.cpu())
             labels.append(lab.cpu())
         self.dmp.train()
+        if self.tiered is not None:
+            for name, value in self.tiered.counters().items():
+                delta = value - before.get(name, torch.zeros_like(value))
+                self._eval_counters[name] = self._eval_counters.get(name, torch.zeros_like(value)) + delta
         mine = (torch.cat(logits), torch.cat(labels))
         parts = [mine]
         if self.env.world_size > 1:
@@ -263,7 +277,8 @@ class Trainer:
             warning = (
                 f"CACHE THRASHING: table {worst} device hit rate {thrashing[worst]:.2f} over the last "
                 f"{self.config.train.log_every} steps ({len(thrashing)} table(s) below {THRASH_HIT_RATE}); "
-                f"raise store.device_rows (now {self.config.store.device_rows})"
+                f"raise its device capacity (now {self.capacities[worst.removeprefix('t_')][0]} slots; "
+                "`recsys tune-cache` recommends one)"
             )
         return window, warning
 
@@ -283,6 +298,56 @@ class Trainer:
                         if isinstance(value, int | float):
                             slot[key] = slot.get(key, 0) + value
         return total
+
+    def tier_rates(self) -> tuple[dict[str, dict[str, float]], list[str]]:
+        """Per tiered table, hit rates over the training batches (evaluations excluded), summed over
+        ranks, beside the predictions of ``store.capacities_from``; and warnings (collective).
+
+        ``device_hit_rate``: ids found in their owner's slots / ids requested (one per sending rank).
+        ``host_hit_rate``: share of the rows filled into the device tier that came from host DRAM rather
+        than from LMDB or a first initialisation: ``1 - (ssd_rows_read + rows_initialised) / device_rows_in``.
+        """
+        mine = {name: value.tolist() for name, value in self._train_counters.items()}
+        parts = [mine]
+        if self.env.world_size > 1:
+            parts = [{} for _ in range(self.env.world_size)]
+            dist.all_gather_object(parts, mine)
+        total: dict[str, dict[str, float]] = {}
+        for part in parts:
+            for name, values in part.items():
+                slot = total.setdefault(name, dict.fromkeys(TieredTables.COUNTERS, 0.0))
+                for key, value in zip(TieredTables.COUNTERS, values, strict=True):
+                    slot[key] += value
+        predicted = load_tune(self.config.store.capacities_from) if self.config.store.capacities_from else {}
+        out: dict[str, dict[str, float]] = {}
+        warnings: list[str] = []
+        for name, c in sorted(total.items()):
+            requests = c["device_hits"] + c["device_misses"]
+            below = c["ssd_rows_read"] + c["rows_initialised"]
+            rates = {
+                "device_hit_rate": c["device_hits"] / requests if requests else 1.0,
+                "host_hit_rate": 1.0 - below / c["device_rows_in"] if c["device_rows_in"] else 1.0,
+                "ssd_rows_per_step": below / max(1, self.step),
+            }
+            feature = name.removeprefix("t_")
+            if feature in predicted:
+                for key in ("predicted_device_hit_rate", "predicted_host_hit_rate"):
+                    rates[key] = float(predicted[feature][key])  # type: ignore[arg-type]
+            out[name] = rates
+            if requests and rates["device_hit_rate"] < THRASH_HIT_RATE:
+                warnings.append(
+                    f"CACHE THRASHING: table {name} device hit rate {rates['device_hit_rate']:.3f} over training "
+                    f"with {self.capacities[feature][0]} slots per owner; run `recsys tune-cache` or raise "
+                    f"store.capacity.{feature}.device"
+                )
+            elif "predicted_device_hit_rate" in rates and (
+                rates["device_hit_rate"] < rates["predicted_device_hit_rate"] - PREDICTION_TOLERANCE
+            ):
+                warnings.append(
+                    f"table {name}: device hit rate {rates['device_hit_rate']:.3f} is below the predicted "
+                    f"{rates['predicted_device_hit_rate']:.3f} (was the run tuned on the same config?)"
+                )
+        return out, warnings
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -387,6 +452,11 @@ class Trainer:
                 self.save()
                 window_start = time.perf_counter()
         bar.close()
+        if self.tiered is not None:
+            self._train_counters = {
+                name: value - self._eval_counters.get(name, torch.zeros_like(value))
+                for name, value in self.tiered.counters().items()
+            }
         # Drain the pipeline's prefetched batches (none remain: the iterator stops at train.steps).
         auc, logloss = self.evaluate(pipeline)
         metrics.write(kind="eval", step=self.step, auc=auc, logloss=logloss)
@@ -442,7 +512,15 @@ def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, 
         metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=env.is_main)
         summary = trainer.fit(metrics)
         digest = trainer.digest()
-        tiers = trainer.tier_stats()
+        tiers: dict[str, Any] = trainer.tier_stats()
+        tier_warnings: list[str] = []
+        if trainer.tiered is not None:
+            rates, tier_warnings = trainer.tier_rates()
+            for name, values in rates.items():
+                tiers.setdefault(name, {}).update(values)
+            if env.is_main:
+                for message in tier_warnings:
+                    log.warning(message)
         trainer.close()
         summary.update(
             model=config.model.name.value,
@@ -452,6 +530,7 @@ def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, 
             model_digest=digest,
             tiered=trainer.tiered is not None,
             tiers=tiers,
+            warnings=tier_warnings,
             pipeline=trainer.pipeline_stats,
             wall_seconds=time.perf_counter() - started,
             resumed=resume,
