@@ -54,10 +54,12 @@ from embedding_store.errors import (
     StoreLockedError,
 )
 from embedding_store.init import init_rows
+from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats, TierStats
 from embedding_store.store import RowChunk, TieredStore, restore_snapshot
 
 __all__ = [
+    "DirectoryLock",
     "IdOutOfRangeError",
     "LmdbOptions",
     "OptimizerKind",

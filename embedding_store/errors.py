@@ -28,7 +28,12 @@ class StoreFullError(StoreError):
 
 
 class StoreLockedError(StoreError):
-    """Another process (or another open handle in this process) holds the store's lock file."""
+    """Another process (or another open handle in this process) holds the store's lock file.
+
+    ``holder`` is the pid the owner recorded in the lock file (text; ``"unknown"`` if none).
+    """
+
+    holder: str = "unknown"
 
 
 class StoreCorruptError(StoreError):

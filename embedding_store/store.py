@@ -371,6 +371,7 @@ class TieredStore:
             self.flush()
             dest.mkdir(parents=True, exist_ok=False)
             self._backend.copy_to(dest)
+            _fsync(dest / "data.mdb")
 
     def stats(self) -> StoreStats:
         """A copy of the counters, per table and tier."""
@@ -427,6 +428,14 @@ def _chunk(spec: TableSpec, ids: np.ndarray, rows: np.ndarray) -> RowChunk:
     elif spec.state_floats:
         state = rows_t[:, spec.dim :]  # (n, D)
     return RowChunk(torch.from_numpy(np.ascontiguousarray(ids)), weights, state)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def restore_snapshot(snapshot: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:

@@ -1,14 +1,18 @@
 """Checkpoints: every rank's dense parameters, optimizer state, embedding shards, data position and RNG.
 
-Layout: ``DIR/checkpoints/step_00000100/{rank_0.pt, rank_1.pt, ..., meta.json}``. Each rank writes its
-file atomically (temporary name, fsync, rename); rank 0 writes ``meta.json`` only after every rank has
-finished, so a checkpoint without it is incomplete and never resumed from. Files load with
-``torch.load(weights_only=True)``: no pickled code.
+Layout: ``DIR/checkpoints/step_00000100/{rank_0.pt, rank_1.pt, ..., store_rank_r/, meta.json}``. Each rank
+writes its file atomically (temporary name, fsync, rename); rank 0 writes ``meta.json`` only after every
+rank has finished, so a checkpoint without it is incomplete and never resumed from. ``meta.json`` is also
+the manifest: the size and BLAKE2b checksum of every file of the checkpoint. :func:`resumable_checkpoint`
+verifies the newest complete checkpoint against it and falls back to an older one, saying why, when a file
+is missing, truncated or altered. Files load with ``torch.load(weights_only=True)``: no pickled code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -20,9 +24,23 @@ import torch.distributed as dist
 
 from recsys.errors import UserError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointError"]
+__all__ = [
+    "CheckpointError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "resumable_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
+
+log = logging.getLogger("recsys")
 
 META = "meta.json"
+# Format 2 adds the manifest (``files``) to meta.json; format-1 checkpoints have none and are not verified.
+FORMAT = 2
+_HASH_CHUNK_BYTES = 1 << 20
+# A checkpoint that failed verification is renamed with this prefix: kept for inspection, never resumed.
+DAMAGED_PREFIX = "damaged_"
 
 
 class CheckpointError(UserError):
@@ -72,6 +90,29 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _file_digest(path: Path) -> str:
+    """BLAKE2b of a file, read in chunks (a store snapshot may be large)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _describe(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """Manifest entries ``{relative path: {bytes, blake2b}}`` of files and of every file under folders."""
+    files: list[Path] = []
+    for p in paths:
+        files += sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+    return {str(f.relative_to(root)): {"bytes": f.stat().st_size, "blake2b": _file_digest(f)} for f in files}
+
+
 def save_checkpoint(
     root: Path,
     *,
@@ -79,16 +120,21 @@ def save_checkpoint(
     dmp: Any,
     dense_optimizer: Any,
     keep: int,
-    extra: Callable[[Path], None] | None = None,
+    extra: Callable[[Path], list[Path]] | None = None,
 ) -> Path:
     """Write this rank's part of the checkpoint after ``step`` steps; collective over all ranks.
 
     ``extra(path)`` writes more of this rank's state into the checkpoint directory (the tiered store's
-    snapshot) before the checkpoint is marked complete.
+    snapshot) before the checkpoint is marked complete, and returns the files or folders it wrote: the
+    manifest records their sizes and checksums.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = _rank_world()
     path = _step_dir(root, step)
+    if rank == 0 and path.exists():
+        # Left by a run that was killed while writing it, or a damaged one: never mix old and new files.
+        shutil.rmtree(path)
+    if world > 1:
+        dist.barrier()
     path.mkdir(parents=True, exist_ok=True)
     payload = {
         "step": step,
@@ -104,18 +150,36 @@ def save_checkpoint(
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / f"rank_{rank}.pt")
+    del payload
+    mine = [path / f"rank_{rank}.pt"]
     if extra is not None:
-        extra(path)
+        mine += [p for p in extra(path) if p.exists()]
+    files = [_describe(path, mine)]
     if world > 1:
-        dist.barrier()
+        files = [{} for _ in range(world)]
+        dist.all_gather_object(files, _describe(path, mine))
     if rank == 0:
+        manifest = {k: v for part in files for k, v in part.items()}
         meta_tmp = path / f".{META}.tmp"
-        meta_tmp.write_text(json.dumps({"step": step, "world_size": world}))
+        with open(meta_tmp, "w") as f:
+            json.dump({"format": FORMAT, "step": step, "world_size": world, "files": manifest}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(meta_tmp, path / META)
+        _fsync_dir(path)
         _prune(root, keep)
     if world > 1:
         dist.barrier()
     return path
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _complete(root: Path) -> list[Path]:
@@ -130,16 +194,94 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None."""
+    """The newest complete checkpoint under ``root`` (not verified), or None."""
     done = _complete(root)
     return done[-1] if done else None
 
 
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / META).read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+            raise ValueError("no step")
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}: unreadable {META} ({err})") from None
+    return meta
+
+
+def _check_file(path: Path, name: str, entry: Any) -> str | None:
+    """Why ``path/name`` does not match its manifest entry, or None when it does."""
+    file = path / name
+    if not isinstance(entry, dict) or not {"bytes", "blake2b"} <= entry.keys():
+        return f"{file}: bad manifest entry"
+    if not file.is_file():
+        return f"{file} is missing"
+    size = file.stat().st_size
+    if size != entry["bytes"]:
+        return f"{file} is truncated or altered ({size} bytes, the manifest says {entry['bytes']})"
+    if _file_digest(file) != entry["blake2b"]:
+        return f"{file} is altered (checksum mismatch)"
+    return None
+
+
+def verify_checkpoint(path: Path) -> list[str]:
+    """Problems of a complete checkpoint: files missing, truncated or altered against its manifest.
+
+    Collective when a process group is initialised: rank r checks every r-th file and every rank gets
+    the problems of all of them.
+    """
+    rank, world = _rank_world()
+    problems: list[str] = []
+    try:
+        files = _read_meta(path).get("files")
+    except CheckpointError as err:
+        problems, files = [str(err)], None
+    if isinstance(files, dict):
+        for i, (name, entry) in enumerate(sorted(files.items())):
+            if i % world == rank and (why := _check_file(path, name, entry)) is not None:
+                problems.append(why)
+    elif files is not None:
+        problems.append(f"checkpoint {path}: bad manifest in {META}")
+    if world > 1:
+        parts: list[list[str]] = [[] for _ in range(world)]
+        dist.all_gather_object(parts, problems)
+        problems = sorted(set(sum(parts, [])))
+    return problems
+
+
+def resumable_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint that passes :func:`verify_checkpoint`, or None if there is none.
+
+    A damaged checkpoint is reported (a warning naming the bad file), renamed ``damaged_step_...`` by
+    rank 0 so that it is neither resumed from nor counted as one of the kept checkpoints, and the next
+    older one is tried. Collective when a process group is initialised.
+    """
+    rank, world = _rank_world()
+    for path in reversed(_complete(root)):
+        problems = verify_checkpoint(path)
+        if not problems:
+            return path
+        if rank == 0:
+            log.warning(
+                "checkpoint %s is damaged: %s; moved to %s%s, trying the previous complete checkpoint",
+                path,
+                problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                DAMAGED_PREFIX,
+                path.name,
+            )
+            target = path.with_name(DAMAGED_PREFIX + path.name)
+            if target.exists():
+                shutil.rmtree(target)
+            path.rename(target)
+        if world > 1:
+            dist.barrier()
+    return None
+
+
 def load_checkpoint(path: Path, *, dmp: Any, dense_optimizer: Any) -> int:
     """Restore this rank's state from checkpoint ``path``; returns the step to continue from."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    meta = json.loads((path / META).read_text())
+    rank, world = _rank_world()
+    meta = _read_meta(path)
     if meta["world_size"] != world:
         raise CheckpointError(
             f"checkpoint {path} was written by {meta['world_size']} ranks, this run has {world}"

@@ -31,9 +31,11 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store import (
+    DirectoryLock,
     OptimizerKind,
     PolicyKind,
     StoreConfig,
+    StoreLockedError,
     TableSpec,
     Tier,
     TieredStore,
@@ -41,6 +43,7 @@ from embedding_store import (
 )
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
 from recsys.data.batch import Batch
+from recsys.errors import UserError
 from recsys.sharding import local_shards
 from recsys.sparse import ShardingKind, SparseConfig, SparseOptimizer
 from recsys.store_config import PipelineSection, StoreSection, resolve_capacities
@@ -136,6 +139,7 @@ class TieredTables:
         self.table_owner = {name: r for r, names in enumerate(owners) for name in names}
         self.path = path / f"rank_{self.rank}"
         self.store: TieredStore | None = None
+        self._lock = self._lock_store(path)
         if shards:
             features = [self.feature[n] for n in sorted(shards)]
             dims = {configs[n].embedding_dim for n in shards}
@@ -166,6 +170,36 @@ class TieredTables:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
+    def _lock_store(self, root: Path) -> DirectoryLock:
+        """Lock ``root/rank_r.lock`` before anything touches ``root/rank_r`` (collective).
+
+        ``open`` replaces the rank's store directory, so a second job pointed at a store in use must be
+        refused before that: every rank tries its lock and all of them fail with the first refusal.
+        """
+        lock: DirectoryLock | None = None
+        refusal = None
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            lock = DirectoryLock(root, name=f"rank_{self.rank}.lock")
+        except StoreLockedError as err:
+            refusal = (
+                f"store {self.path} is in use by process {err.holder} (another training run?); "
+                "stop it or set store.path to another directory"
+            )
+        except OSError as err:
+            refusal = f"cannot create store directory {root}: {err.strerror}"
+        refusals = [refusal]
+        if self.world_size > 1:
+            refusals = [None] * self.world_size
+            dist.all_gather_object(refusals, refusal)
+        first = next((r for r in refusals if r is not None), None)
+        if first is not None:
+            if lock is not None:
+                lock.release()
+            raise UserError(first)
+        assert lock is not None
+        return lock
+
     def open(self, *, snapshot: Path | None = None) -> None:
         """Open this rank's store: empty for a fresh run, or restored from a checkpoint's snapshot."""
         if not hasattr(self, "_store_args"):
@@ -182,15 +216,21 @@ class TieredTables:
             state = None if shard.state is None else shard.state.data
             self.store.bind(name, weights=shard.weight.data, state=state)
 
-    def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+    def close(self, *, flush: bool = True) -> None:
+        """Close the store (flushing it, unless ``flush=False`` after a failure) and release the lock."""
+        try:
+            if self.store is not None:
+                store, self.store = self.store, None
+                store.close(flush=flush)
+        finally:
+            self._lock.release()
 
-    def snapshot(self, dest: Path) -> None:
-        """Flush and copy this rank's store into ``dest`` (part of a checkpoint)."""
-        if self.store is not None:
-            self.store.snapshot(dest)
+    def snapshot(self, dest: Path) -> list[Path]:
+        """Flush and copy this rank's store into ``dest`` (part of a checkpoint); returns what it wrote."""
+        if self.store is None:
+            return []
+        self.store.snapshot(dest)
+        return [dest]
 
     # -- the stages of one batch ------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from embedding_store import StoreCapacityError
 from pipelines import StagedPipeline, StageFailed
-from recsys.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from recsys.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint
 from recsys.config import RunConfig, config_to_dict
 from recsys.data.batch import Batch
 from recsys.data.source import build_dataset
@@ -204,9 +204,9 @@ class Trainer:
         """Restore the newest complete checkpoint (``resume``) or start fresh; open the tiered store."""
         snapshot = None
         if resume:
-            path = latest_checkpoint(self.checkpoint_root)
+            path = resumable_checkpoint(self.checkpoint_root)
             if path is None:
-                raise UserError(f"--resume: no complete checkpoint under {self.checkpoint_root}")
+                raise UserError(f"--resume: no complete, intact checkpoint under {self.checkpoint_root}")
             self.step = load_checkpoint(path, dmp=self.dmp, dense_optimizer=self.dense_optimizer)
             snapshot = self._store_snapshot(path) if self.tiered is not None else None
             if self.env.is_main:
@@ -214,9 +214,21 @@ class Trainer:
         if self.tiered is not None:
             self.tiered.open(snapshot=snapshot)
 
-    def close(self) -> None:
-        if self.tiered is not None:
+    def close(self, *, flush: bool = True) -> None:
+        """Close the tiered store and release its lock (idempotent).
+
+        ``flush=False`` is the failure path: rows held above LMDB are dropped (the last checkpoint has
+        them) and a second failure while closing is logged, not raised over the first.
+        """
+        if self.tiered is None:
+            return
+        if flush:
             self.tiered.close()
+            return
+        try:
+            self.tiered.close(flush=False)
+        except Exception as err:  # noqa: BLE001 - the error that stopped the run is the one to report
+            log.debug("closing the store after a failure: %s", err)
 
     def save(self) -> None:
         tiered = self.tiered
@@ -490,6 +502,7 @@ def _start_fresh(out_dir: Path) -> None:
 def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, Any] | None:
     """Train on this process's rank; rank 0 writes the run directory and returns the summary."""
     env = init_distributed(threads_per_rank=config.train.threads_per_rank)
+    trainer: Trainer | None = None
     try:
         started = time.perf_counter()
         trainer = Trainer(config, env, out_dir=out_dir)
@@ -542,5 +555,7 @@ def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, 
             return summary
         return None
     finally:
+        if trainer is not None:
+            trainer.close(flush=False)  # a no-op after the clean close above
         if dist.is_initialized():
             dist.destroy_process_group()
