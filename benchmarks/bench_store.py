@@ -253,7 +253,7 @@ def rss_kib() -> dict[str, int]:
     return out
 
 
-def scale(root: Path, touched: int) -> None:
+def scale(root: Path, touched: int, unmap_every: int | None, writer_batch: int) -> None:
     """A 2^62 id space, ``touched`` rows, a host tier far smaller than that."""
     spec = TableSpec(name="big", dim=32, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)  # 132-byte rows
     device_rows, host_rows, batch_new, hot = 1 << 18, 4_000_000, 100_000, 50_000
@@ -262,7 +262,12 @@ def scale(root: Path, touched: int) -> None:
         device_capacity_rows=device_rows,
         host_capacity_rows=host_rows,
         policy=PolicyKind.LOOKAHEAD,
-        lmdb=LmdbOptions(initial_map_size_bytes=1 << 30, writer_max_pending_rows=1 << 19),
+        lmdb=LmdbOptions(
+            initial_map_size_bytes=1 << 30,
+            writer_max_pending_rows=1 << 19,
+            writer_batch_rows=writer_batch,
+            unmap_every_rows=unmap_every,
+        ),
     )
     budget = host_rows * spec.row_bytes + device_rows * spec.row_bytes
     rng = np.random.default_rng(3)
@@ -335,6 +340,8 @@ def scale(root: Path, touched: int) -> None:
         "host_budget_gib": round(budget / 2**30, 3),
         "peak_rss_minus_budget_gib": round(rss["VmHWM"] / 2**20 - budget / 2**30, 3),
         "touched_rows": touched + hot,
+        "unmap_every_rows": unmap_every,
+        "writer_batch_rows": writer_batch,
         "seconds": round(elapsed, 1),
     }
     print(json.dumps(result))
@@ -349,6 +356,15 @@ def main() -> None:
     )
     parser.add_argument("--scale", action="store_true", help="run the 2^62-id-space scale test instead")
     parser.add_argument("--touched", type=int, default=30_000_000, help="new rows of the scale test")
+    parser.add_argument(
+        "--unmap-every",
+        type=int,
+        default=2048,
+        help="scale test: LmdbOptions.unmap_every_rows (0: never drop mapped LMDB pages)",
+    )
+    parser.add_argument(
+        "--writer-batch", type=int, default=2048, help="scale test: LmdbOptions.writer_batch_rows"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -358,7 +374,7 @@ def main() -> None:
     print(json.dumps(machine_info()))
     try:
         if args.scale:
-            scale(args.dir, args.touched)
+            scale(args.dir, args.touched, args.unmap_every or None, args.writer_batch)
             return
         ratios = {"remap_vs_unique": bench_remap(args.dir)}
         ratios["ssd_read_vs_lmdb"], ratios["writeback_vs_lmdb"] = bench_ssd_and_writeback(args.dir)

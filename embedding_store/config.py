@@ -135,12 +135,13 @@ class LmdbOptions:
             row for random keys — so this bounds the writer's memory (32k rows: <= 128 MiB).
         writer_max_pending_rows: rows that may wait for the writer before callers block (memory bound).
         unmap_every_rows: LMDB reads through a read-only mmap, so every page it touches counts toward
-            this process's RSS (as page cache, reclaimable, but visible). After this many rows read, the
-            backend drops the mapping's page-table entries (``MADV_DONTNEED``; the page cache stays) so
-            RSS tracks the tiers' budget rather than the file size. None (the default) keeps every
-            touched page mapped. Measured on Linux 6.18: the kernel's fault-around maps ~7 pages per
-            random key read, so even 32k-row reads map most of a 1 GB file; the drops then cost
-            re-faults without bounding RSS much, hence off by default.
+            this process's RSS (as page cache, reclaimable, but visible). After this many rows read or
+            written, the backend drops the mapping's page-table entries (``MADV_DONTNEED``; the page
+            cache stays) and reads go in chunks of this many rows, so mapped file pages stay near
+            ``unmap_every_rows`` x the kernel's fault-around window (~128 KiB per random row on Linux
+            6.18) instead of growing to the file's size. Pair it with a ``writer_batch_rows`` of the same
+            order. None (the default) keeps every touched page mapped: fastest when the file fits in
+            memory. ``benchmarks/bench_store.py --scale`` uses 2048.
     """
 
     initial_map_size_bytes: int = 1 << 30

@@ -2,6 +2,7 @@
 
 ``recsys train --config FILE [--set section.key=value ...] [--out DIR] [--nproc N] [--resume]``
 ``recsys preprocess FILE... --out DIR [--no-label] [--on-error raise|skip]`` (Criteo TSV → TorchRec npy)
+``recsys tune-cache --config FILE --device-budget SIZE --host-budget SIZE [--batches N] --out DIR``
 
 User errors (bad config keys or values, missing files, bad ``--set`` syntax) print one line and exit
 with code 2. Without torchrun, ``train`` spawns ``train.nproc`` local worker processes itself.
@@ -60,6 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="raise",
         help="malformed lines: stop, or skip and count",
     )
+    tune = sub.add_parser("tune-cache", help="recommend per-table device and host capacities")
+    tune.add_argument("--config", required=True, type=Path, help="TOML config of the training run")
+    tune.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), as for train",
+    )  # fmt: skip
+    tune.add_argument(
+        "--device-budget", required=True, help="device memory for slot tables, all ranks (e.g. 64MiB)"
+    )
+    tune.add_argument(
+        "--host-budget", required=True, help="host DRAM for the host tier, all ranks (e.g. 1GiB)"
+    )
+    tune.add_argument(
+        "--batches", type=int, default=None, help="training batches to replay (default train.steps)"
+    )
+    tune.add_argument("--nproc", type=int, default=None, help="ranks of the run (overrides train.nproc)")
+    tune.add_argument("--out", required=True, type=Path, help="folder for tune.json, tune.md and plots")
     return parser
 
 
@@ -113,6 +131,10 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"train.nproc={args.nproc}")
     try:
         config = load_config(args.config, overrides)
+        if config.store.capacities_from:  # fail before spawning workers
+            from recsys.store_config import load_tune
+
+            load_tune(config.store.capacities_from)
     except UserError as err:
         return _fail(str(err))
     out = args.out or Path("runs") / args.config.stem
@@ -180,6 +202,51 @@ def _preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune_cache(args: argparse.Namespace) -> int:
+    from recsys.config import load_config
+    from recsys.errors import UserError
+    from recsys.store_config import parse_size
+    from recsys.tune.report import PLOTS_HINT, write_outputs
+    from recsys.tune.tuner import tune
+
+    overrides = list(args.overrides)
+    if args.nproc is not None:
+        overrides.append(f"train.nproc={args.nproc}")
+    try:
+        budgets = {}
+        for flag, text in (("--device-budget", args.device_budget), ("--host-budget", args.host_budget)):
+            try:
+                budgets[flag] = parse_size(text.strip())
+            except ValueError as err:
+                raise UserError(f"{flag}: {err}") from None
+        config = load_config(args.config, overrides)
+        result = tune(
+            config, device_budget=budgets["--device-budget"], host_budget=budgets["--host-budget"],
+            batches=args.batches,
+        )  # fmt: skip
+        paths = write_outputs(result, args.out, config_path=str(args.config))
+    except UserError as err:
+        return _fail(str(err))
+    doc = result.doc
+    for name, t in doc["tables"].items():
+        print(
+            f"{name}: device_rows {t['device_rows']:,} (hit rate {t['predicted_device_hit_rate']:.3f}), "
+            f"host_rows {t['host_rows']:,} (host hit rate {t['predicted_host_hit_rate']:.3f}), "
+            f"{t['ssd_rows_per_step']:.1f} SSD rows/step"
+        )
+    total = doc["total"]
+    line = f"total: device hit rate {total['predicted_device_hit_rate']:.3f}, {total['ssd_rows_per_step']:.1f} SSD rows/step"
+    if doc.get("equal_split"):
+        eq = doc["equal_split"]
+        line += f" (equal split: {eq['predicted_device_hit_rate']:.3f}, {eq['ssd_rows_per_step']:.1f})"
+    print(line)
+    if not any(p.suffix == ".png" for p in paths):
+        print(f"note: {PLOTS_HINT}")
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    print(f"apply: recsys train --config {args.config} --set store.capacities_from={args.out / 'tune.json'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
@@ -188,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "preprocess":
         return _preprocess(args)
+    if args.command == "tune-cache":
+        return _tune_cache(args)
     return _fail(f"unknown command {args.command!r}")
 
 

@@ -141,7 +141,7 @@ class TieredTables:
         self.store: TieredStore | None = None
         self._lock = self._lock_store(path)
         if shards:
-            features = [self.feature[n] for n in sorted(shards)]
+            features = [self.feature[n] for n in self.names]  # all tiered tables, owned here or not
             dims = {configs[n].embedding_dim for n in shards}
             capacities = resolve_capacities(store_cfg, features, row_bytes(sparse, max(dims)))
             specs = [

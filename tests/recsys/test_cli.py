@@ -17,7 +17,26 @@ def test_cli_surface_is_frozen():
     prep = build_parser()._subparsers._group_actions[0].choices["preprocess"]  # type: ignore[union-attr]
     flags = sorted(opt for action in prep._actions for opt in action.option_strings)
     assert flags == sorted(["--out", "--no-label", "--on-error", "-h", "--help"])
-    assert sorted(build_parser()._subparsers._group_actions[0].choices) == ["preprocess", "train"]  # type: ignore[union-attr]
+    tune = build_parser()._subparsers._group_actions[0].choices["tune-cache"]  # type: ignore[union-attr]
+    flags = sorted(opt for action in tune._actions for opt in action.option_strings)
+    assert flags == sorted(
+        [
+            "--config",
+            "--set",
+            "--device-budget",
+            "--host-budget",
+            "--batches",
+            "--nproc",
+            "--out",
+            "-h",
+            "--help",
+        ]
+    )
+    assert sorted(build_parser()._subparsers._group_actions[0].choices) == [
+        "preprocess",
+        "train",
+        "tune-cache",
+    ]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

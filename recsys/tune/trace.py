@@ -1,0 +1,294 @@
+"""Per-batch id traces of one store shard and the cache simulations over them (numpy only).
+
+A :class:`Trace` is what one owner's store sees of one table: for every batch, in order, the distinct ids
+it makes resident, each with a *weight* — the number of ranks that sent the id (the store counts device
+hits and misses per id it receives, and a table-wise owner receives one copy per sending rank). Batches
+of the evaluation channel are in the trace too (they change the cache) but carry no weight: predicted and
+measured hit rates are over training batches.
+
+Shapes: ``ids`` (N,) int64 compact ids in ``[0, num_ids)``; ``offsets`` (B + 1,); ``weights`` (N,) int64;
+``train`` (B,) bool.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from embedding_store.init import mix64
+
+__all__ = ["Policy", "SimResult", "Trace", "TraceBuilder", "min_capacity", "simulate"]
+
+
+class Policy(enum.Enum):
+    """Replacement policies the tuner evaluates; the first three are the store's own."""
+
+    LRU = "lru"
+    LFU = "lfu"
+    LOOKAHEAD = "lookahead"
+    BELADY = "belady"  # offline optimum (MIN) with the same pins: the upper bound
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The batches one store shard sees of one table (see the module docstring for shapes).
+
+    Attributes:
+        ids: (N,) compact ids, distinct within each batch.
+        offsets: (B + 1,) batch b is ``ids[offsets[b]:offsets[b + 1]]``.
+        weights: (N,) ranks that sent each id (0 in evaluation batches).
+        train: (B,) True for training batches.
+        num_ids: distinct ids in the trace.
+        sample_rate: share of the id space kept by spatial sampling (1.0: the whole trace).
+    """
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    weights: np.ndarray
+    train: np.ndarray
+    num_ids: int
+    sample_rate: float = 1.0
+
+    @property
+    def num_batches(self) -> int:
+        return int(self.train.shape[0])
+
+    @property
+    def num_train_batches(self) -> int:
+        return int(self.train.sum())
+
+    def sample(self, rate: float, *, seed: int = 0) -> Trace:
+        """SHARDS-style spatial sampling: keep the ids whose hash falls below ``rate``.
+
+        A cache of ``c`` rows over the sample behaves like one of ``c / rate`` rows over the whole trace;
+        every batch stays (possibly empty), so pins and lookahead keep their meaning in batches.
+        """
+        if not 0 < rate <= 1:
+            raise ValueError(f"sample rate must be in (0, 1], got {rate}")
+        if rate >= 1:
+            return self
+        h = mix64(self.ids.astype(np.uint64) + np.uint64(seed))
+        keep_id = (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < rate
+        batch = np.repeat(np.arange(self.num_batches), np.diff(self.offsets))
+        uniq, ids = np.unique(self.ids[keep_id], return_inverse=True)
+        counts = np.bincount(batch[keep_id], minlength=self.num_batches)
+        return Trace(
+            ids=ids.astype(np.int64),
+            offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            weights=self.weights[keep_id],
+            train=self.train,
+            num_ids=int(uniq.shape[0]),
+            sample_rate=self.sample_rate * rate,
+        )
+
+
+class TraceBuilder:
+    """Collects batches of raw ids (with weights) and compacts them into a :class:`Trace`."""
+
+    def __init__(self) -> None:
+        self._ids: list[np.ndarray] = []
+        self._weights: list[np.ndarray] = []
+        self._train: list[bool] = []
+
+    def add(self, ids: np.ndarray, weights: np.ndarray, *, train: bool) -> None:
+        """One batch: (n,) distinct raw ids and (n,) weights."""
+        self._ids.append(np.asarray(ids, dtype=np.int64))
+        self._weights.append(np.asarray(weights, dtype=np.int64) if train else np.zeros(len(ids), np.int64))
+        self._train.append(train)
+
+    def build(self) -> Trace:
+        sizes = [a.shape[0] for a in self._ids]
+        raw = np.concatenate(self._ids) if self._ids else np.empty(0, np.int64)
+        uniq, ids = np.unique(raw, return_inverse=True)
+        return Trace(
+            ids=ids.astype(np.int64),
+            offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+            weights=np.concatenate(self._weights) if self._weights else np.empty(0, np.int64),
+            train=np.array(self._train, dtype=bool),
+            num_ids=int(uniq.shape[0]),
+        )
+
+
+def _next_use(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """Per access: the next batch (any channel) using the same id, and the next *training* batch index
+    (counted in training batches) using it; ``BIG`` where none does."""
+    n_b = trace.num_batches
+    batch = np.repeat(np.arange(n_b, dtype=np.int64), np.diff(trace.offsets))
+    order = np.lexsort((batch, trace.ids))  # by id, then batch
+    sid, sb = trace.ids[order], batch[order]
+    same = np.zeros(sid.shape[0], dtype=bool)
+    same[:-1] = sid[1:] == sid[:-1]
+    nxt = np.full(sid.shape[0], BIG, dtype=np.int64)
+    nxt[:-1][same[:-1]] = sb[1:][same[:-1]]
+    next_any = np.empty_like(nxt)
+    next_any[order] = nxt
+    # The next training use: scan each id's accesses backwards, carrying the nearest training batch.
+    train_index = np.cumsum(trace.train) - 1  # (B,) training index of each batch (eval: the last before)
+    is_train = trace.train[sb]
+    # For each access in sorted order, the first later access of the same id that is a training batch.
+    pos = np.arange(sid.shape[0])
+    cand = np.where(is_train, pos, sid.shape[0])  # positions of training accesses
+    # Group-wise suffix minimum of `cand` shifted by one, within runs of equal ids.
+    starts = np.flatnonzero(np.concatenate([[True], sid[1:] != sid[:-1]]))
+    run_end = np.repeat(np.append(starts[1:], sid.shape[0]), np.diff(np.append(starts, sid.shape[0])))
+    shifted = np.append(cand[1:], sid.shape[0])
+    suffix = np.minimum.accumulate(shifted[::-1])[::-1]  # suffix min over the whole array
+    # Crossing into the next id's run is harmless: its positions are >= run_end and get masked.
+    nt = np.where(suffix < run_end, suffix, -1)
+    next_train = np.full(sid.shape[0], BIG, dtype=np.int64)
+    ok = nt >= 0
+    next_train[ok] = train_index[sb[nt[ok]]]
+    out = np.empty_like(next_train)
+    out[order] = next_train
+    return next_any, out
+
+
+BIG = 1 << 40
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of one simulation over the training batches of a trace.
+
+    Attributes:
+        hits, requests: weighted device hits and requests (the store's device counters).
+        miss_rows: distinct rows filled into the cache (what enters from the tier below).
+        capacity: rows simulated (in the sampled trace's scale).
+        peak_miss_rows: the most rows one training batch filled.
+    """
+
+    hits: float
+    requests: float
+    miss_rows: float
+    capacity: int
+    peak_miss_rows: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 1.0
+
+
+class CapacityTooSmall(ValueError):
+    """The cache cannot hold a batch beside the rows pinned by the batches in flight."""
+
+
+def min_capacity(trace: Trace, *, pinned_batches: int = 4) -> int:
+    """Fewest rows that hold any batch together with the rows of the ``pinned_batches - 1`` training
+    batches before it (still in flight, so pinned)."""
+    best = 0
+    held: list[np.ndarray] = []  # the last pinned_batches - 1 training batches
+    for b in range(trace.num_batches):
+        ids = trace.ids[trace.offsets[b] : trace.offsets[b + 1]]
+        window = [*held, ids]
+        size = np.unique(np.concatenate(window)).shape[0] if len(window) > 1 else ids.shape[0]
+        best = max(best, int(size))
+        if trace.train[b] and pinned_batches > 1:
+            held = [*held, ids][-(pinned_batches - 1) :]
+    return best
+
+
+def simulate(
+    trace: Trace,
+    capacity: int,
+    *,
+    policy: Policy,
+    lookahead: int = 0,
+    pinned_batches: int = 4,
+    prepared: tuple[np.ndarray, np.ndarray] | None = None,
+) -> SimResult:
+    """Replay ``trace`` through a cache of ``capacity`` rows the way the store's device tier runs it.
+
+    Each batch pins its rows; a row used by one of the ``pinned_batches - 1`` training batches before
+    it is pinned too (still in flight). Misses take free rows, else evict unpinned rows chosen by the
+    policy: LRU (oldest batch first), LFU (fewest batches since it entered, then LRU), LOOKAHEAD (rows
+    no batch of the next ``lookahead`` training batches uses first, LRU among them; then the furthest
+    next use), BELADY (furthest next use of any batch).
+
+    Raises:
+        CapacityTooSmall: a batch does not fit beside the pinned rows.
+    """
+    if capacity <= 0:
+        raise CapacityTooSmall(f"capacity must be positive, got {capacity}")
+    next_any, next_train = prepared if prepared is not None else _next_use(trace)
+    u = trace.num_ids
+    resident = np.zeros(u, dtype=bool)
+    last_use = np.zeros(u, dtype=np.int64)  # batch tick of the last use
+    last_train = np.full(u, -BIG, dtype=np.int64)  # training index of the last training use
+    count = np.zeros(u, dtype=np.int64)  # LFU: batches since the row entered
+    nxt = np.full(u, BIG, dtype=np.int64)  # next use (any batch / next training index)
+    res = np.empty(0, dtype=np.int64)  # (R,) resident ids
+    hits = requests = miss_rows = 0.0
+    peak = 0
+    k = 0  # training index of the next training batch
+    for b in range(trace.num_batches):
+        lo, hi = trace.offsets[b], trace.offsets[b + 1]
+        ids = trace.ids[lo:hi]
+        train = bool(trace.train[b])
+        hit = resident[ids]
+        new = ids[~hit]
+        if train:
+            w = trace.weights[lo:hi]
+            hits += float(w[hit].sum())
+            requests += float(w.sum())
+            miss_rows += new.shape[0]
+            peak = max(peak, int(new.shape[0]))
+        need = res.shape[0] + new.shape[0] - capacity
+        if need > 0:
+            last_use[ids] = BIG  # the batch's own rows are pinned
+            pinned = last_train[res] > k - pinned_batches
+            pinned |= last_use[res] == BIG
+            cand = res[~pinned]
+            if need > cand.shape[0]:
+                raise CapacityTooSmall(
+                    f"batch {b} needs {new.shape[0]} new rows, only {capacity - res.shape[0] + cand.shape[0]} "
+                    f"free or evictable of {capacity}"
+                )
+            key = _key(policy, cand, last_use, count, nxt, k, lookahead if train else 0)
+            victims = cand if need == cand.shape[0] else cand[np.argpartition(key, need - 1)[:need]]
+            resident[victims] = False
+            res = res[resident[res]]
+        resident[new] = True
+        res = np.concatenate([res, new])
+        last_use[ids] = b + 1
+        count[new] = 0
+        count[ids] += 1
+        if train:
+            last_train[ids] = k
+            k += 1
+        nxt[ids] = (next_any if policy is Policy.BELADY else next_train)[lo:hi]
+    return SimResult(
+        hits=hits, requests=requests, miss_rows=miss_rows, capacity=capacity, peak_miss_rows=peak
+    )
+
+
+_TICK = 1 << 40
+
+
+def _key(
+    policy: Policy,
+    cand: np.ndarray,
+    last_use: np.ndarray,
+    count: np.ndarray,
+    nxt: np.ndarray,
+    k: int,
+    lookahead: int,
+) -> np.ndarray:
+    """Eviction order of the candidates: smaller goes first (the store's sort keys)."""
+    if policy is Policy.LRU:
+        return last_use[cand]
+    if policy is Policy.LFU:
+        return np.minimum(count[cand], (1 << 22) - 1) * _TICK + last_use[cand]
+    if policy is Policy.BELADY:
+        return -nxt[cand]
+    dist = nxt[cand] - k  # training batches from the one being filled to the next use
+    needed = (dist >= 1) & (dist <= lookahead)
+    far = (1 << 20) - 1
+    rank = (far - np.minimum(dist, far)) * _TICK
+    return np.where(needed, last_use[cand] + rank + (1 << 61), last_use[cand])
+
+
+def prepare(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """Next-use arrays of a trace, shared by several :func:`simulate` calls."""
+    return _next_use(trace)

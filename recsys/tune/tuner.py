@@ -1,0 +1,306 @@
+"""``recsys tune-cache``: replay a run's id stream, compute hit-rate curves, recommend capacities.
+
+Steps: :func:`~recsys.tune.replay.replay` the training run's batches (every rank's share, routed to the
+owners); per table and owner, simulate the configured policy (and LRU, LFU, Belady for comparison) on a
+grid of capacities, sampling large traces spatially; split the device budget across tables to save the
+most bytes of device fills, then the host budget to save the most bytes of LMDB reads (the host tier is
+exclusive of the device tier, so device + host behaves like one cache of their summed size); finally
+simulate the chosen capacities exactly for the predicted hit rates.
+
+Budgets are totals over all ranks: a row-wise table holds its device and host rows on every rank.
+
+``host_hit_rate`` is the share of rows filled into the device tier that come from host DRAM rather than
+from LMDB or a first initialisation — ``1 - (ssd_rows_read + rows_initialised) / device_rows_in`` in the
+store's counters, which is what ``recsys train`` measures. Both it and ``device_hit_rate`` are over the
+training batches; evaluation batches are replayed (they move rows) but not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pipelines import PipelineMode
+from recsys.config import RunConfig
+from recsys.errors import UserError
+from recsys.tiered import row_bytes
+from recsys.tune.curves import capacity_grid, lru_curve, policy_curve
+from recsys.tune.replay import Replay, replay
+from recsys.tune.split import split_budget
+from recsys.tune.trace import Policy, Trace, min_capacity, prepare, simulate
+
+__all__ = ["TuneResult", "tune", "PINNED_BATCHES", "SAMPLE_ABOVE_ACCESSES"]
+
+# Batches whose rows are pinned when a batch is filled: itself, the one TorchRec computes, the one it has
+# copied ahead, and the one the fill stage finished before (README: "four training batches").
+PINNED_BATCHES = 4
+# Traces of more accesses than this are sampled spatially down to about this many.
+SAMPLE_ABOVE_ACCESSES = 2_000_000
+GRID_POINTS = 14
+# Batches of fills the host tier must hold for the prefetcher (the one it reads, the one the fill takes).
+PREFETCH_BATCHES = 2
+CANDIDATES = 48
+
+
+@dataclass
+class _Table:
+    name: str
+    feature: str
+    traces: list[Trace]  # per owner, possibly sampled
+    prepared: list[tuple[np.ndarray, np.ndarray]]
+    min_rows: int  # per owner
+    distinct: int  # most distinct ids of one owner
+    row_bytes: int
+    owners: int
+
+    def run(self, capacity: int, policy: Policy, lookahead: int) -> tuple[float, float, float, float]:
+        """(weighted hits, weighted requests, rows filled per training batch, the most rows one batch
+        filled on one owner) over the owners."""
+        hits = requests = fills = peak = 0.0
+        for trace, prep in zip(self.traces, self.prepared, strict=True):
+            scaled = max(1, int(round(capacity * trace.sample_rate)))
+            res = simulate(
+                trace,
+                scaled,
+                policy=policy,
+                lookahead=lookahead,
+                pinned_batches=PINNED_BATCHES,
+                prepared=prep,
+            )
+            hits += res.hits
+            requests += res.requests
+            fills += res.miss_rows / trace.sample_rate / max(1, trace.num_train_batches)
+            peak = max(peak, res.peak_miss_rows / trace.sample_rate)
+        return hits, requests, fills, peak
+
+    def curves(self, grid: np.ndarray, policy: Policy, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
+        """(hit rates, rows filled per training batch) of ``policy`` at ``grid``, summed over owners."""
+        hit_sum = np.zeros(grid.shape[0])
+        req_sum = 0.0
+        fills = np.zeros(grid.shape[0])
+        for trace, prep in zip(self.traces, self.prepared, strict=True):
+            curve = policy_curve(
+                trace, grid, policy=policy, lookahead=lookahead, pinned_batches=PINNED_BATCHES, prepared=prep
+            )
+            req = float(trace.weights.sum())
+            hit_sum += curve.hit_rates * req
+            req_sum += req
+            fills += curve.miss_rows
+        return hit_sum / max(req_sum, 1e-12), fills
+
+    def lru_stack(self, grid: np.ndarray) -> np.ndarray:
+        hit_sum = np.zeros(grid.shape[0])
+        req_sum = 0.0
+        for trace in self.traces:
+            req = float(trace.weights.sum())
+            hit_sum += lru_curve(trace, grid).hit_rates * req
+            req_sum += req
+        return hit_sum / max(req_sum, 1e-12)
+
+
+@dataclass
+class TuneResult:
+    """What ``tune-cache`` writes: ``doc`` is tune.json; ``curves`` feed the plots."""
+
+    doc: dict[str, Any]
+    curves: dict[str, dict[str, list[float]]]
+
+
+def _interp_fills(grid: np.ndarray, fills: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    ok = ~np.isnan(fills)
+    return np.interp(capacity, grid[ok], fills[ok])
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def tune(
+    config: RunConfig, *, device_budget: int, host_budget: int, batches: int | None = None
+) -> TuneResult:
+    """Recommend per-table device and host rows for ``config`` under the two budgets (bytes, all ranks).
+
+    Raises:
+        UserError: the device budget cannot hold the batches in flight (the message states the minimum),
+            or the config has no tiered tables.
+    """
+    rep: Replay = replay(config, batches=batches)
+    policy = Policy(config.store.policy.value)
+    lookahead = config.store.lookahead if config.pipeline.mode is PipelineMode.PIPELINED else 0
+    rbytes = row_bytes(config.sparse, config.model.table_dim)
+    tables: list[_Table] = []
+    for name, traces in rep.traces.items():
+        sampled = []
+        for trace in traces:
+            n = trace.ids.shape[0]
+            sampled.append(trace.sample(SAMPLE_ABOVE_ACCESSES / n) if n > SAMPLE_ABOVE_ACCESSES else trace)
+        tables.append(
+            _Table(
+                name=name,
+                feature=rep.features[name],
+                traces=sampled,
+                prepared=[prepare(t) for t in sampled],
+                min_rows=max(min_capacity(t, pinned_batches=PINNED_BATCHES) for t in traces),
+                distinct=max(max(t.num_ids for t in traces), 1),
+                row_bytes=rbytes,
+                owners=len(traces),
+            )
+        )
+    min_bytes = sum(t.min_rows * t.row_bytes * t.owners for t in tables)
+    if device_budget < min_bytes:
+        worst = ", ".join(f"{t.name} {t.min_rows} rows" for t in tables)
+        raise UserError(
+            f"--device-budget {_format_bytes(device_budget)} cannot hold the batches in flight: the tiered "
+            f"tables need at least {_format_bytes(min_bytes)} ({min_bytes} bytes: {worst} per owner, "
+            f"{rbytes} bytes a row, {PINNED_BATCHES} training batches pinned)"
+        )
+
+    # Curves of every policy on a grid per table (full-trace rows), for the report and the split.
+    curves: dict[str, dict[str, list[float]]] = {}
+    fills_of: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for t in tables:
+        grid = capacity_grid(t.min_rows, t.distinct, GRID_POINTS).astype(np.float64)
+        entry: dict[str, list[float]] = {"capacity": grid.tolist()}
+        for p in Policy:
+            rates, fills = t.curves(grid, p, lookahead)
+            entry[p.value] = rates.tolist()
+            if p is policy:
+                fills_of[t.name] = (grid, fills)
+        entry["lru_stack"] = t.lru_stack(grid).tolist()
+        curves[t.name] = entry
+
+    # Device split: save the most bytes of rows filled into the device tier.
+    n = len(tables)
+    equal_device = [int(device_budget / n // (t.row_bytes * t.owners)) for t in tables]
+    costs, values, options = [], [], []
+    for t, eq in zip(tables, equal_device, strict=True):
+        grid, fills = fills_of[t.name]
+        caps = np.unique(
+            np.concatenate(
+                [np.linspace(t.min_rows, t.distinct, CANDIDATES).round(), [eq] if eq >= t.min_rows else []]
+            ).astype(np.int64)
+        )
+        caps = caps[caps >= t.min_rows]
+        saved = _interp_fills(grid, fills, caps[:1]) - _interp_fills(grid, fills, caps)
+        options.append(caps)
+        costs.append(caps * t.row_bytes * t.owners)
+        values.append(saved * t.row_bytes)
+    pick = split_budget(costs, values, device_budget)
+    assert pick is not None  # the minimum fits (checked above)
+    device_rows = [int(options[i][k]) for i, k in enumerate(pick)]
+    # Leftover budget (grid rounding) goes to the tables in proportion to their rows, capped at their ids.
+    spare = device_budget - sum(d * t.row_bytes * t.owners for d, t in zip(device_rows, tables, strict=True))
+    for i, t in enumerate(tables):
+        extra = int(spare / n // (t.row_bytes * t.owners))
+        device_rows[i] = min(t.distinct, device_rows[i] + max(0, extra))
+
+    # Host split given the device rows: save the most bytes of LMDB reads (device + host as one cache).
+    # The prefetcher parks a batch's rows in the host tier before the fill takes them; a host tier too
+    # small for that reads some from LMDB twice, so the options are none (no prefetch), or at least
+    # PREFETCH_BATCHES batches' worth of fills.
+    equal_host = [int(host_budget / n // (t.row_bytes * t.owners)) for t in tables]
+    costs, values, options = [], [], []
+    for t, d, eq in zip(tables, device_rows, equal_host, strict=True):
+        grid, fills = fills_of[t.name]
+        room = max(0, t.distinct - d)
+        floor = min(room, int(math.ceil(PREFETCH_BATCHES * t.run(d, policy, lookahead)[3])))
+        hs = np.unique(
+            np.concatenate([[0], np.linspace(floor, room, CANDIDATES).round(), [min(eq, room)]]).astype(
+                np.int64
+            )
+        )
+        hs = hs[(hs == 0) | (hs >= floor)]
+        saved = _interp_fills(grid, fills, np.array([d])) - _interp_fills(grid, fills, d + hs)
+        options.append(hs)
+        costs.append(hs * t.row_bytes * t.owners)
+        values.append(saved * t.row_bytes)
+    pick = split_budget(costs, values, host_budget)
+    assert pick is not None  # zero host rows always fit
+    host_rows = [int(options[i][k]) for i, k in enumerate(pick)]
+
+    def predict(device: list[int], host: list[int]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+        per: dict[str, dict[str, float]] = {}
+        tot_hits = tot_req = tot_fills = tot_ssd = 0.0
+        for t, d, h in zip(tables, device, host, strict=True):
+            hits, req, fills, _ = t.run(d, policy, lookahead)
+            below = fills if h == 0 else t.run(d + h, policy, lookahead)[2]
+            per[t.name] = {
+                "predicted_device_hit_rate": hits / req if req else 1.0,
+                "predicted_host_hit_rate": 1.0 - below / fills if fills else 1.0,
+                "device_rows_filled_per_step": fills,
+                "ssd_rows_per_step": below,
+            }
+            tot_hits, tot_req, tot_fills, tot_ssd = (
+                tot_hits + hits,
+                tot_req + req,
+                tot_fills + fills,
+                tot_ssd + below,
+            )
+        total = {
+            "predicted_device_hit_rate": tot_hits / tot_req if tot_req else 1.0,
+            "predicted_host_hit_rate": 1.0 - tot_ssd / tot_fills if tot_fills else 1.0,
+            "device_rows_filled_per_step": tot_fills,
+            "ssd_rows_per_step": tot_ssd,
+        }
+        return per, total
+
+    chosen, total = predict(device_rows, host_rows)
+    equal_ok = all(e >= t.min_rows for e, t in zip(equal_device, tables, strict=True))
+    equal = predict(equal_device, equal_host)[1] if equal_ok else None
+
+    doc: dict[str, Any] = {
+        "batches": rep.train_batches,
+        "world_size": rep.world_size,
+        "sharding": "row_wise" if rep.row_wise else "table_wise",
+        "policy": policy.value,
+        "lookahead": lookahead,
+        "pinned_batches": PINNED_BATCHES,
+        "device_budget_bytes": device_budget,
+        "host_budget_bytes": host_budget,
+        "device_bytes": sum(d * t.row_bytes * t.owners for d, t in zip(device_rows, tables, strict=True)),
+        "host_bytes": sum(h * t.row_bytes * t.owners for h, t in zip(host_rows, tables, strict=True)),
+        "tables": {},
+        "total": total,
+        "equal_split": None
+        if equal is None
+        else {
+            "device_rows": dict(zip([t.name for t in tables], equal_device, strict=True)),
+            "host_rows": dict(zip([t.name for t in tables], equal_host, strict=True)),
+            **equal,
+        },
+    }
+    for t, d, h in zip(tables, device_rows, host_rows, strict=True):
+        doc["tables"][t.name] = {
+            "feature": t.feature,
+            "device_rows": d,
+            "host_rows": h,
+            **chosen[t.name],
+            "row_bytes": t.row_bytes,
+            "owners": t.owners,
+            "min_device_rows": t.min_rows,
+            "distinct_ids": t.distinct,
+            "sample_rate": min(tr.sample_rate for tr in t.traces),
+        }
+    doc["snippet"] = snippet(doc)
+    return TuneResult(doc=doc, curves=curves)
+
+
+def snippet(doc: dict[str, Any]) -> str:
+    """TOML to paste into a config: explicit per-table capacities (or ``capacities_from``)."""
+    lines = ["[store.capacity]   # from recsys tune-cache (rows per owning rank)"]
+    for entry in doc["tables"].values():
+        lines.append(
+            f"{entry['feature']} = {{ device = {entry['device_rows']}, host = {entry['host_rows']} }}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def finite(x: float) -> float | None:
+    return None if math.isnan(x) else x

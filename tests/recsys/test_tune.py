@@ -1,0 +1,196 @@
+"""`recsys tune-cache` end to end: outputs, errors, and predicted hit rates against a training run's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from recsys.cli import main
+from recsys.config import ConfigError, load_config
+from recsys.store_config import parse_size, resolve_capacities
+
+# Three tiered tables of different id spaces: an even split of the budgets is far from the best one.
+CONFIG = """
+[synthetic]
+num_sparse = 3
+id_spaces = [600, 6000, 60000]
+eval_samples = 2048
+
+[model]
+embedding_dim = 8
+dense_arch = [16, 8]
+over_arch = [16]
+
+[store]
+tiered = true
+
+[train]
+steps = 160
+batch_size = 512
+nproc = {nproc}
+log_every = 40
+threads_per_rank = 1
+
+[eval]
+every = {every}
+batch_size = 512
+"""
+DEVICE, HOST = "160KiB", "200KiB"
+TOLERANCE = 0.02
+
+
+def write_config(tmp_path: Path, *, nproc: int = 1, every: int = 0, extra: str = "") -> Path:
+    path = tmp_path / "tune.toml"
+    path.write_text(CONFIG.format(nproc=nproc, every=every) + extra)
+    return path
+
+
+def test_sizes_and_capacity_errors(tmp_path):
+    assert parse_size("64MiB") == 64 << 20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("512k") == 512 << 10
+    assert parse_size(4096) == 4096
+    with pytest.raises(ValueError, match="'12 parsecs'"):
+        parse_size("12 parsecs")
+    with pytest.raises(ConfigError, match=r"store\.capacity\.cat_0\] device: .*'64XB'"):
+        load_config(write_config(tmp_path), ['store.capacity={cat_0={device="64XB"}}'])
+    with pytest.raises(ConfigError, match=r"unknown config key 'store\.capacity\.cat_0\.rows'"):
+        load_config(write_config(tmp_path), ["store.capacity={cat_0={rows=5}}"])
+    cfg = load_config(
+        write_config(tmp_path), ['store.capacity={cat_0={device=100, host="3600B"}, cat_2={device="36KiB"}}']
+    )
+    caps = resolve_capacities(cfg.store, ["cat_0", "cat_1", "cat_2"], row_bytes=36)
+    assert caps == {"cat_0": (100, 100), "cat_1": (16_384, 65_536), "cat_2": (1024, 65_536)}
+
+
+def test_capacities_from_a_missing_file_is_a_user_error(tmp_path, repo_root, capsys):
+    code = main(
+        [
+            "train",
+            "--config",
+            str(write_config(tmp_path)),
+            "--out",
+            str(tmp_path / "run"),
+            "--set",
+            f"store.capacities_from={json.dumps(str(tmp_path / 'nope.json'))}",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "store.capacities_from: file not found" in err and len(err.splitlines()) == 1
+
+
+def test_budget_below_the_working_set_exits_2_with_the_minimum(tmp_path, capsys):
+    code = main(
+        [
+            "tune-cache",
+            "--config",
+            str(write_config(tmp_path)),
+            "--device-budget",
+            "4KiB",
+            "--host-budget",
+            "1MiB",
+            "--batches",
+            "20",
+            "--out",
+            str(tmp_path / "tune"),
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "cannot hold the batches in flight" in err and "need at least" in err
+
+
+def _tune(config: Path, out: Path, capsys) -> dict:
+    code = main(
+        [
+            "tune-cache",
+            "--config",
+            str(config),
+            "--device-budget",
+            DEVICE,
+            "--host-budget",
+            HOST,
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    return json.loads((out / "tune.json").read_text())
+
+
+def _train(python, cli_env, repo_root, config: Path, out: Path, *overrides: str) -> dict:
+    args = [python, "-m", "recsys", "train", "--config", str(config), "--out", str(out)]
+    for o in overrides:
+        args += ["--set", o]
+    proc = subprocess.run(args, cwd=repo_root, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def _check_prediction(doc: dict, summary: dict) -> None:
+    for name, t in doc["tables"].items():
+        measured = summary["tiers"][name]
+        assert measured["predicted_device_hit_rate"] == t["predicted_device_hit_rate"]
+        assert abs(measured["device_hit_rate"] - t["predicted_device_hit_rate"]) <= TOLERANCE, (
+            name,
+            measured,
+        )
+        assert abs(measured["host_hit_rate"] - t["predicted_host_hit_rate"]) <= TOLERANCE, (name, measured)
+
+
+def test_tuned_one_rank_run_measures_the_predicted_hit_rates(tmp_path, python, cli_env, repo_root, capsys):
+    config = write_config(tmp_path, every=60)  # evaluations pass through the caches mid-run
+    doc = _tune(config, tmp_path / "tune", capsys)
+    for name in ("tune.json", "tune.md"):
+        assert (tmp_path / "tune" / name).exists()
+    assert "[store.capacity]" in doc["snippet"]
+    tables = doc["tables"]
+    assert set(tables) == {"t_cat_0", "t_cat_1", "t_cat_2"}
+    for t in tables.values():
+        assert t["device_rows"] >= t["min_device_rows"]
+        assert {"predicted_device_hit_rate", "predicted_host_hit_rate", "ssd_rows_per_step"} <= set(t)
+    assert doc["device_bytes"] <= parse_size(DEVICE) and doc["host_bytes"] <= parse_size(HOST)
+    # The recommendation beats an even split of the same budgets.
+    equal = doc["equal_split"]
+    assert doc["total"]["predicted_device_hit_rate"] > equal["predicted_device_hit_rate"]
+    assert doc["total"]["ssd_rows_per_step"] < equal["ssd_rows_per_step"]
+    tuned = tmp_path / "tune" / "tune.json"
+    summary = _train(
+        python,
+        cli_env,
+        repo_root,
+        config,
+        tmp_path / "run",
+        f"store.capacities_from={json.dumps(str(tuned))}",
+    )
+    _check_prediction(doc, summary)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_tuned_two_rank_run_measures_the_predicted_hit_rates(
+    tmp_path, python, cli_env, repo_root, capsys, sharding
+):
+    config = write_config(tmp_path, nproc=2, extra=f'\n[sparse]\nsharding = "{sharding}"\n')
+    doc = _tune(config, tmp_path / "tune", capsys)
+    assert doc["world_size"] == 2 and doc["sharding"] == sharding
+    tuned = json.dumps(str(tmp_path / "tune" / "tune.json"))
+    summary = _train(python, cli_env, repo_root, config, tmp_path / "run", f"store.capacities_from={tuned}")
+    _check_prediction(doc, summary)
+    # Measured, too, the recommendation beats an even split of the same budgets.
+    equal = doc["equal_split"]
+    caps = ", ".join(
+        f"{t['feature']}={{device={equal['device_rows'][n]}, host={equal['host_rows'][n]}}}"
+        for n, t in doc["tables"].items()
+    )
+    even = _train(python, cli_env, repo_root, config, tmp_path / "even", f"store.capacity={{{caps}}}")
+
+    def total(summary: dict) -> float:
+        tiers = [summary["tiers"][n] for n in doc["tables"]]
+        hits = sum(t["device"]["hits"] for t in tiers)
+        return hits / sum(t["device"]["hits"] + t["device"]["misses"] for t in tiers)
+
+    assert total(summary) > total(even)
