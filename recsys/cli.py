@@ -113,10 +113,21 @@ def _worker(local_rank: int, nproc: int, port: int, config: object, out: Path, r
 
     try:
         run(config, out, resume=resume)  # type: ignore[arg-type]
-    except UserError as err:
-        if local_rank == 0:
-            print(f"recsys: error: {err}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+    except UserError:
+        sys.exit(EXIT_USAGE)  # recorded by run(); the parent prints the first rank's message
+
+
+def _report_first_failure(out: Path) -> int | None:
+    """Print the root cause of a failed multi-worker run (the earliest rank failure); its exit code."""
+    from recsys.failures import first_failure
+
+    failure = first_failure(out)
+    if failure is None:
+        return None
+    if failure.user:
+        return _fail(failure.message)
+    print(f"recsys: error: worker {failure.rank} failed: {failure.message}", file=sys.stderr)
+    return 1
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -156,8 +167,11 @@ def _train(args: argparse.Namespace) -> int:
     else:
         import torch.multiprocessing as mp
 
+        from recsys.failures import clear_failures
+
         nproc = config.train.nproc
         log.info("spawning %d local worker(s); run directory %s", nproc, out)
+        clear_failures(out)
         try:
             mp.start_processes(
                 _worker,
@@ -165,17 +179,17 @@ def _train(args: argparse.Namespace) -> int:
                 nprocs=nproc,
                 start_method="spawn",
             )
-        except mp.ProcessExitedException as err:
-            if err.exit_code == EXIT_USAGE:
-                return EXIT_USAGE
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
+            if (code := _report_first_failure(out)) is not None:
+                return code
+            if isinstance(err, mp.ProcessRaisedException):
+                last = str(err).strip().splitlines()[-1]
+                print(f"recsys: error: worker {err.error_index} failed: {last}", file=sys.stderr)
+                return 1
             print(
                 f"recsys: error: worker {err.error_index} exited with code {err.exit_code}", file=sys.stderr
             )
-            return 1
-        except mp.ProcessRaisedException as err:
-            last = str(err).strip().splitlines()[-1]
-            print(f"recsys: error: worker {err.error_index} failed: {last}", file=sys.stderr)
-            return 1
+            return EXIT_USAGE if err.exit_code == EXIT_USAGE else 1
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     if summary is not None:

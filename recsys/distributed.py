@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -16,7 +17,11 @@ __all__ = [
     "init_distributed",
     "compute_device",
     "set_local_rank_env",
+    "collective_timeout",
 ]
+
+# The process groups' collective timeout (init_distributed sets it; every group of the job uses it).
+_timeout = datetime.timedelta(minutes=30)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +71,18 @@ def compute_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(*, threads_per_rank: int = 0) -> DistEnv:
-    """Join the process group described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+def collective_timeout() -> datetime.timedelta:
+    """The timeout for collectives of every process group of this job (pass it to ``dist.new_group``)."""
+    return _timeout
+
+
+def init_distributed(*, threads_per_rank: int = 0, timeout_s: float = 1800.0) -> DistEnv:
+    """Join the process group described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+    A collective that waits longer than ``timeout_s`` for a peer (a rank that died or hangs) fails with
+    an error instead of blocking forever; the groups created later use the same timeout.
+    """
+    global _timeout
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -83,6 +98,7 @@ def init_distributed(*, threads_per_rank: int = 0) -> DistEnv:
     backend = "nccl" if device.type == "cuda" else "gloo"
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
     torch.set_num_threads(threads)
+    _timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=_timeout)
     return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)

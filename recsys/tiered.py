@@ -43,6 +43,7 @@ from embedding_store import (
 )
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
 from recsys.data.batch import Batch
+from recsys.distributed import collective_timeout
 from recsys.errors import UserError
 from recsys.sharding import local_shards
 from recsys.sparse import ShardingKind, SparseConfig, SparseOptimizer
@@ -134,7 +135,8 @@ class TieredTables:
             # Own groups: collectives of key routing never interleave with TorchRec's; the routing and
             # fill stages of training batches each run on their own thread, and evaluation batches are
             # remapped on the main thread while those threads may be busy with later training batches.
-            route_pg, fill_pg, eval_pg = (dist.new_group(backend="gloo") for _ in range(3))
+            groups = (dist.new_group(backend="gloo", timeout=collective_timeout()) for _ in range(3))
+            route_pg, fill_pg, eval_pg = groups
             self._groups = {TRAIN: (route_pg, fill_pg), EVAL: (eval_pg, eval_pg)}
         self.table_owner = {name: r for r, names in enumerate(owners) for name in names}
         self.path = path / f"rank_{self.rank}"

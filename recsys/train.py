@@ -28,6 +28,7 @@ from recsys.data.source import build_dataset
 from recsys.digest import dense_rows, model_digest
 from recsys.distributed import DistEnv, init_distributed
 from recsys.errors import UserError
+from recsys.failures import record_failure
 from recsys.metrics import MetricsLog, auc_logloss, write_json
 from recsys.models import TrainModel, build_model, table_configs
 from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
@@ -501,7 +502,9 @@ def _start_fresh(out_dir: Path) -> None:
 
 def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, Any] | None:
     """Train on this process's rank; rank 0 writes the run directory and returns the summary."""
-    env = init_distributed(threads_per_rank=config.train.threads_per_rank)
+    env = init_distributed(
+        threads_per_rank=config.train.threads_per_rank, timeout_s=config.train.collective_timeout_s
+    )
     trainer: Trainer | None = None
     try:
         started = time.perf_counter()
@@ -554,6 +557,9 @@ def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, 
             write_json(out_dir / "summary.json", summary)
             return summary
         return None
+    except BaseException as err:
+        record_failure(out_dir, env.rank, err)  # before the teardown makes the other ranks fail too
+        raise
     finally:
         if trainer is not None:
             trainer.close(flush=False)  # a no-op after the clean close above

@@ -29,6 +29,8 @@ class TrainConfig:
         checkpoint_every: steps between checkpoints (0: only at the end).
         keep_checkpoints: how many of the newest checkpoints to keep.
         threads_per_rank: intra-op threads per rank (0: cores divided by local ranks).
+        collective_timeout_s: how long a rank waits in a collective (all-to-all, barrier) for its peers
+            before it fails instead of hanging; it must exceed the longest checkpoint of any rank.
     """
 
     steps: int = 200
@@ -41,6 +43,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     threads_per_rank: int = 0
+    collective_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -61,6 +64,8 @@ class TrainConfig:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.threads_per_rank < 0:
             raise ValueError(f"threads_per_rank must be >= 0, got {self.threads_per_rank}")
+        if not 0 < self.collective_timeout_s < 1e7:
+            raise ValueError(f"collective_timeout_s must be in (0, 1e7), got {self.collective_timeout_s}")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
