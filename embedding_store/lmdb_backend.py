@@ -131,6 +131,7 @@ class LmdbBackend:
 
     def __init__(self, path: Path, *, options: LmdbOptions, seed: int, tables: Sequence[TableSpec]) -> None:
         self._options = options
+        self._path = path
         self._rw = _SharedExclusiveLock()
         self._data_file = os.path.realpath(path / "data.mdb")
         self._rows_since_unmap = 0
@@ -279,8 +280,10 @@ class LmdbBackend:
             StoreFullError: the map hit its cap or the disk is full; nothing of ``writes`` was applied.
         """
         items = []
+        need_bytes = 0  # keys and values of this write, before LMDB's page overhead
         for table, ids, rows in writes:
             row_bytes = self._row_bytes[table]
+            need_bytes += ids.shape[0] * (8 + row_bytes)
             buf = memoryview(np.ascontiguousarray(rows, dtype=np.float32).tobytes())
             values = [buf[i : i + row_bytes] for i in range(0, len(buf), row_bytes)]
             items.append((self._dbs[table], list(zip(encode_keys(ids), values, strict=True))))
@@ -292,20 +295,34 @@ class LmdbBackend:
                 self._count_read(sum(len(pairs) for _, pairs in items))  # a write reads its path too
                 return
             except lmdb.MapFullError as err:
-                self._grow(err)
+                self._grow(err, need_bytes, sum(len(pairs) for _, pairs in items))
             except lmdb.Error as err:
+                if isinstance(err, lmdb.DiskError) or "No space left" in str(err):
+                    raise StoreFullError(
+                        f"store {self._path} is full: the disk has no space for a write of {need_bytes} bytes"
+                    ) from err
                 raise _map_error(err, "write transaction failed") from err
             except OSError as err:
                 if err.errno == errno.ENOSPC:
-                    raise StoreFullError(f"disk full: {err}") from err
+                    raise StoreFullError(
+                        f"store {self._path} is full: the disk has no space for a write of {need_bytes} bytes"
+                    ) from err
                 raise StoreError(f"write transaction failed: {err}") from err
 
-    def _grow(self, cause: lmdb.Error) -> None:
+    def used_bytes(self) -> int:
+        """Bytes of the map in use (pages up to the last one written)."""
+        info, stat = self._env.info(), self._env.stat()
+        return int(info["last_pgno"] + 1) * int(stat["psize"])
+
+    def _grow(self, cause: lmdb.Error, need_bytes: int, num_rows: int) -> None:
         with self._rw.exclusive():
             current = int(self._env.info()["map_size"])
             cap = self._options.max_map_size_bytes
             if cap is not None and current >= cap:
-                raise StoreFullError(f"LMDB map is full at its cap of {cap} bytes") from cause
+                raise StoreFullError(
+                    f"store {self._path} is full: its LMDB map is at the cap of {cap} bytes "
+                    f"({self.used_bytes()} in use) and a write of {num_rows} rows needed {need_bytes} bytes more"
+                ) from cause
             new = 2 * current if cap is None else min(2 * current, cap)
             try:
                 self._env.set_mapsize(new)

@@ -105,6 +105,9 @@ class StoreSection:
         capacities_from: a ``tune.json`` written by ``recsys tune-cache``; its per-table ``device_rows``
             and ``host_rows`` win over ``device_rows``/``host_rows``, and the run reports its predicted hit
             rates beside the measured ones.
+        max_lmdb_bytes: cap on each rank's LMDB map (0: none, grow until the disk is full). A write that
+            would pass it stops the run with a one-line error naming the store and the space it needed;
+            nothing is half-written.
     """
 
     tiered: bool = False
@@ -116,8 +119,11 @@ class StoreSection:
     path: str = ""
     capacity: dict[str, TableCapacity] = field(default_factory=dict)
     capacities_from: str = ""
+    max_lmdb_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_lmdb_bytes != 0 and self.max_lmdb_bytes < 1 << 16:
+            raise ValueError(f"max_lmdb_bytes must be 0 (no cap) or >= 65536, got {self.max_lmdb_bytes}")
         if self.device_rows < 1:
             raise ValueError(f"device_rows must be >= 1, got {self.device_rows}")
         if self.host_rows < 0:

@@ -32,6 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store import (
     DirectoryLock,
+    LmdbOptions,
     OptimizerKind,
     PolicyKind,
     StoreConfig,
@@ -66,6 +67,16 @@ _M2 = 0x94D049BB133111EB - (1 << 64)
 def row_bytes(sparse: SparseConfig, dim: int) -> int:
     """Bytes of one row of a tiered table: ``dim`` float32 weights plus the optimizer's per-row state."""
     return 4 * (dim + _OPTIMIZER[sparse.optimizer].state_floats(dim))
+
+
+def _lmdb_options(max_bytes: int) -> LmdbOptions:
+    """LMDB options with the map capped at ``max_bytes`` (0: no cap)."""
+    if not max_bytes:
+        return LmdbOptions()
+    return LmdbOptions(
+        initial_map_size_bytes=min(LmdbOptions().initial_map_size_bytes, max_bytes),
+        max_map_size_bytes=max_bytes,
+    )
 
 
 def owner_of_ids(ids: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -165,6 +176,7 @@ class TieredTables:
                     host_capacity_rows=store_cfg.host_rows,
                     policy=PolicyKind[store_cfg.policy.name],
                     lookahead_batches=store_cfg.lookahead,
+                    lmdb=_lmdb_options(store_cfg.max_lmdb_bytes),
                 ),
                 tables=specs,
             )

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from tqdm import tqdm
 
-from embedding_store import StoreCapacityError
+from embedding_store import StoreCapacityError, StoreFullError
 from pipelines import StagedPipeline, StageFailed
 from recsys.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint
 from recsys.config import RunConfig, config_to_dict
@@ -381,8 +381,10 @@ class Trainer:
         batches, feed = self._feed(self.step, tcfg.steps)
         try:
             return self._loop(pipeline, batches, feed, metrics)
-        except (StageFailed, StoreCapacityError) as err:
+        except (StageFailed, StoreCapacityError, StoreFullError) as err:
             cause = err.__cause__ if isinstance(err, StageFailed) else err
+            if isinstance(cause, StoreFullError):
+                raise UserError(f"{cause}; raise store.max_lmdb_bytes or free disk space") from err
             if isinstance(cause, StoreCapacityError):
                 raise UserError(
                     f"store.device_rows={self.config.store.device_rows} is too small for the batches in flight "
@@ -557,6 +559,10 @@ def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, 
             write_json(out_dir / "summary.json", summary)
             return summary
         return None
+    except StoreFullError as err:  # outside the training loop: a final flush, or the digest's read
+        full = UserError(f"{err}; raise store.max_lmdb_bytes or free disk space")
+        record_failure(out_dir, env.rank, full)
+        raise full from err
     except BaseException as err:
         record_failure(out_dir, env.rank, err)  # before the teardown makes the other ranks fail too
         raise
