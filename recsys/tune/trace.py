@@ -177,15 +177,37 @@ class CapacityTooSmall(ValueError):
 def min_capacity(trace: Trace, *, pinned_batches: int = 4) -> int:
     """Fewest rows that hold any batch together with the rows of the ``pinned_batches - 1`` training
     batches before it (still in flight, so pinned)."""
-    best = 0
-    held: list[np.ndarray] = []  # the last pinned_batches - 1 training batches
+    if trace.ids.shape[0] == 0:
+        return 0
+    window = max(1, pinned_batches)
+    train_idx = np.cumsum(trace.train) - 1  # (B,) training index (evaluation: the last one before)
+    batch = np.repeat(np.arange(trace.num_batches), np.diff(trace.offsets))
+    is_train = trace.train[batch]
+    # Windows of `window` consecutive training batches: an access of training batch j whose id was last
+    # used (in training) at training batch p counts in the windows ending at b in [max(j, p + window), j + w - 1].
+    t_ids, t_b = trace.ids[is_train], train_idx[batch[is_train]]
+    order = np.lexsort((t_b, t_ids))
+    sid, sb = t_ids[order], t_b[order]
+    prev = np.full(sid.shape[0], -BIG, dtype=np.int64)
+    same = np.zeros(sid.shape[0], dtype=bool)
+    same[1:] = sid[1:] == sid[:-1]
+    prev[same] = sb[:-1][same[1:]]
+    n_train = trace.num_train_batches
+    lo = np.maximum(sb, prev + window)
+    hi = sb + window  # exclusive
+    delta = np.zeros(n_train + window + 1, dtype=np.int64)
+    ok = lo < hi
+    np.add.at(delta, lo[ok], 1)
+    np.add.at(delta, hi[ok], -1)
+    best = int(np.cumsum(delta)[:n_train].max()) if n_train else 0
+    # An evaluation batch beside the last window - 1 training batches before it.
+    held: list[np.ndarray] = []
     for b in range(trace.num_batches):
         ids = trace.ids[trace.offsets[b] : trace.offsets[b + 1]]
-        window = [*held, ids]
-        size = np.unique(np.concatenate(window)).shape[0] if len(window) > 1 else ids.shape[0]
-        best = max(best, int(size))
-        if trace.train[b] and pinned_batches > 1:
-            held = [*held, ids][-(pinned_batches - 1) :]
+        if trace.train[b]:
+            held = [*held, ids][-(window - 1) :] if window > 1 else []
+        else:
+            best = max(best, int(np.unique(np.concatenate([*held, ids])).shape[0]))
     return best
 
 
@@ -218,7 +240,10 @@ def simulate(
     last_train = np.full(u, -BIG, dtype=np.int64)  # training index of the last training use
     count = np.zeros(u, dtype=np.int64)  # LFU: batches since the row entered
     nxt = np.full(u, BIG, dtype=np.int64)  # next use (any batch / next training index)
-    res = np.empty(0, dtype=np.int64)  # (R,) resident ids
+    buf = np.empty(capacity, dtype=np.int64)  # buf[:filled]: the resident ids, by position
+    pos_of = np.zeros(u, dtype=np.int64)  # position of each resident id in buf
+    filled = 0  # positions in use; evicted positions are refilled by the same batch
+    lazy = _LazyOrder() if policy in (Policy.LRU, Policy.LOOKAHEAD) else None
     hits = requests = miss_rows = 0.0
     peak = 0
     k = 0  # training index of the next training batch
@@ -234,23 +259,36 @@ def simulate(
             requests += float(w.sum())
             miss_rows += new.shape[0]
             peak = max(peak, int(new.shape[0]))
-        need = res.shape[0] + new.shape[0] - capacity
+        need = filled + new.shape[0] - capacity
         if need > 0:
             last_use[ids] = BIG  # the batch's own rows are pinned
-            pinned = last_train[res] > k - pinned_batches
-            pinned |= last_use[res] == BIG
-            cand = res[~pinned]
-            if need > cand.shape[0]:
-                raise CapacityTooSmall(
-                    f"batch {b} needs {new.shape[0]} new rows, only {capacity - res.shape[0] + cand.shape[0]} "
-                    f"free or evictable of {capacity}"
+            depth = lookahead if train and policy is Policy.LOOKAHEAD else 0
+            victims = None
+            if lazy is not None:
+                victims = lazy.take(
+                    need, buf[:filled], last_use, last_train, nxt, resident, k, pinned_batches, depth
                 )
-            key = _key(policy, cand, last_use, count, nxt, k, lookahead if train else 0)
-            victims = cand if need == cand.shape[0] else cand[np.argpartition(key, need - 1)[:need]]
+            if victims is None:
+                res = buf[:filled]
+                pinned = last_train[res] > k - pinned_batches
+                pinned |= last_use[res] == BIG
+                cand = res[~pinned]
+                if need > cand.shape[0]:
+                    raise CapacityTooSmall(
+                        f"batch {b} needs {new.shape[0]} new rows, only {capacity - filled + cand.shape[0]} "
+                        f"free or evictable of {capacity}"
+                    )
+                key = _key(policy, cand, last_use, count, nxt, k, depth)
+                victims = cand if need == cand.shape[0] else cand[np.argpartition(key, need - 1)[:need]]
             resident[victims] = False
-            res = res[resident[res]]
+            slots = np.concatenate([pos_of[victims], np.arange(filled, capacity, dtype=np.int64)])
+            filled = capacity
+        else:
+            slots = np.arange(filled, filled + new.shape[0], dtype=np.int64)
+            filled += new.shape[0]
         resident[new] = True
-        res = np.concatenate([res, new])
+        buf[slots] = new
+        pos_of[new] = slots
         last_use[ids] = b + 1
         count[new] = 0
         count[ids] += 1
@@ -264,6 +302,64 @@ def simulate(
 
 
 _TICK = 1 << 40
+
+
+class _LazyOrder:
+    """Victims of LRU and LOOKAHEAD from a sorted list of the resident rows, refreshed only when used up.
+
+    Under both policies a row's key only grows when it is used and new rows arrive youngest, so an entry
+    whose key is unchanged since the sort is still in LRU order; used, evicted and (LOOKAHEAD) announced
+    rows are skipped. The list leaves out pinned rows (the youngest); when too few rows
+    qualify, the caller falls back to a full scan.
+    """
+
+    def __init__(self) -> None:
+        self.order = np.empty(0, dtype=np.int64)
+        self.keys = np.empty(0, dtype=np.int64)
+        self.ptr = 0
+
+    def take(  # noqa: PLR0913 - the simulation's state, passed in rather than copied
+        self,
+        need: int,
+        res: np.ndarray,
+        last_use: np.ndarray,
+        last_train: np.ndarray,
+        nxt: np.ndarray,
+        resident: np.ndarray,
+        k: int,
+        pinned_batches: int,
+        depth: int,
+    ) -> np.ndarray | None:
+        """``need`` victims, or None when the caller must scan every row."""
+        got: list[np.ndarray] = []
+        total = 0
+        rebuilt = False
+        while total < need:
+            if self.ptr >= self.order.shape[0]:
+                if rebuilt:
+                    for part in got:  # not evicted after all: the caller scans every row
+                        resident[part] = True
+                    return None
+                # Pinned rows are the youngest: leave them out (used again, they would be skipped anyway).
+                keys = last_use[res]
+                free = (last_train[res] <= k - pinned_batches) & (keys != BIG)
+                rows, keys = res[free], keys[free]
+                o = np.argsort(keys, kind="stable")
+                self.order, self.keys, self.ptr = rows[o], keys[o], 0
+                rebuilt = True
+            end = min(self.order.shape[0], self.ptr + max(2 * (need - total), 512))
+            chunk = self.order[self.ptr : end]
+            valid = resident[chunk] & (last_use[chunk] == self.keys[self.ptr : end])
+            ok = valid
+            if depth:
+                dist = nxt[chunk] - k
+                ok = valid & ~((dist >= 1) & (dist <= depth))
+            idx = np.flatnonzero(ok)[: need - total]
+            got.append(chunk[idx])
+            resident[chunk[idx]] = False  # taken (a rebuilt list must not offer them again)
+            total += idx.shape[0]
+            self.ptr = self.ptr + int(idx[-1]) + 1 if total >= need else end
+        return np.concatenate(got)
 
 
 def _key(

@@ -18,7 +18,7 @@ training batches; evaluation batches are replayed (they move rows) but not count
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,9 +37,14 @@ __all__ = ["TuneResult", "tune", "PINNED_BATCHES", "SAMPLE_ABOVE_ACCESSES"]
 # Batches whose rows are pinned when a batch is filled: itself, the one TorchRec computes, the one it has
 # copied ahead, and the one the fill stage finished before (README: "four training batches").
 PINNED_BATCHES = 4
-# Traces of more accesses than this are sampled spatially down to about this many.
-SAMPLE_ABOVE_ACCESSES = 2_000_000
-GRID_POINTS = 14
+# Traces of more accesses than this are sampled spatially down to about this many for the predictions at
+# the chosen capacities, and curves on the capacity grid use samples of about CURVE_SAMPLE_ACCESSES.
+# A sample keeps at least MIN_SAMPLED_IDS (curves: MIN_CURVE_IDS) distinct ids: small id spaces stay exact.
+SAMPLE_ABOVE_ACCESSES = 1_000_000
+CURVE_SAMPLE_ACCESSES = 300_000
+MIN_SAMPLED_IDS = 100_000
+MIN_CURVE_IDS = 20_000
+GRID_POINTS = 10
 # Batches of fills the host tier must hold for the prefetcher (the one it reads, the one the fill takes).
 PREFETCH_BATCHES = 2
 CANDIDATES = 48
@@ -51,14 +56,20 @@ class _Table:
     feature: str
     traces: list[Trace]  # per owner, possibly sampled
     prepared: list[tuple[np.ndarray, np.ndarray]]
+    curve_traces: list[Trace]  # per owner, sampled harder for the grid of curves
+    curve_prepared: list[tuple[np.ndarray, np.ndarray]]
     min_rows: int  # per owner
     distinct: int  # most distinct ids of one owner
     row_bytes: int
     owners: int
+    memo: dict[tuple[int, Policy, int], tuple[float, float, float, float]] = field(default_factory=dict)
 
     def run(self, capacity: int, policy: Policy, lookahead: int) -> tuple[float, float, float, float]:
         """(weighted hits, weighted requests, rows filled per training batch, the most rows one batch
         filled on one owner) over the owners."""
+        key = (capacity, policy, lookahead)
+        if key in self.memo:
+            return self.memo[key]
         hits = requests = fills = peak = 0.0
         for trace, prep in zip(self.traces, self.prepared, strict=True):
             scaled = max(1, int(round(capacity * trace.sample_rate)))
@@ -74,14 +85,15 @@ class _Table:
             requests += res.requests
             fills += res.miss_rows / trace.sample_rate / max(1, trace.num_train_batches)
             peak = max(peak, res.peak_miss_rows / trace.sample_rate)
-        return hits, requests, fills, peak
+        self.memo[key] = (hits, requests, fills, peak)
+        return self.memo[key]
 
     def curves(self, grid: np.ndarray, policy: Policy, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
         """(hit rates, rows filled per training batch) of ``policy`` at ``grid``, summed over owners."""
         hit_sum = np.zeros(grid.shape[0])
         req_sum = 0.0
         fills = np.zeros(grid.shape[0])
-        for trace, prep in zip(self.traces, self.prepared, strict=True):
+        for trace, prep in zip(self.curve_traces, self.curve_prepared, strict=True):
             curve = policy_curve(
                 trace, grid, policy=policy, lookahead=lookahead, pinned_batches=PINNED_BATCHES, prepared=prep
             )
@@ -107,6 +119,12 @@ class TuneResult:
 
     doc: dict[str, Any]
     curves: dict[str, dict[str, list[float]]]
+
+
+def _sample(trace: Trace, accesses: int, min_ids: int) -> Trace:
+    """``trace``, or a spatial sample of about ``accesses`` accesses (and at least ``min_ids`` ids)."""
+    rate = max(accesses / max(1, trace.ids.shape[0]), min_ids / max(1, trace.num_ids))
+    return trace.sample(rate) if rate < 1 else trace
 
 
 def _interp_fills(grid: np.ndarray, fills: np.ndarray, capacity: np.ndarray) -> np.ndarray:
@@ -137,16 +155,16 @@ def tune(
     rbytes = row_bytes(config.sparse, config.model.table_dim)
     tables: list[_Table] = []
     for name, traces in rep.traces.items():
-        sampled = []
-        for trace in traces:
-            n = trace.ids.shape[0]
-            sampled.append(trace.sample(SAMPLE_ABOVE_ACCESSES / n) if n > SAMPLE_ABOVE_ACCESSES else trace)
+        sampled = [_sample(trace, SAMPLE_ABOVE_ACCESSES, MIN_SAMPLED_IDS) for trace in traces]
+        for_curves = [_sample(trace, CURVE_SAMPLE_ACCESSES, MIN_CURVE_IDS) for trace in traces]
         tables.append(
             _Table(
                 name=name,
                 feature=rep.features[name],
                 traces=sampled,
                 prepared=[prepare(t) for t in sampled],
+                curve_traces=for_curves,
+                curve_prepared=[prepare(t) for t in for_curves],
                 min_rows=max(min_capacity(t, pinned_batches=PINNED_BATCHES) for t in traces),
                 distinct=max(max(t.num_ids for t in traces), 1),
                 row_bytes=rbytes,
@@ -167,12 +185,14 @@ def tune(
     fills_of: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for t in tables:
         grid = capacity_grid(t.min_rows, t.distinct, GRID_POINTS).astype(np.float64)
+        # The split reads the configured policy's curve between grid points: sample it more densely.
+        fine = capacity_grid(t.min_rows, t.distinct, 2 * GRID_POINTS).astype(np.float64)
+        _, fine_fills = t.curves(fine, policy, lookahead)
+        fills_of[t.name] = (fine, fine_fills)
         entry: dict[str, list[float]] = {"capacity": grid.tolist()}
         for p in Policy:
-            rates, fills = t.curves(grid, p, lookahead)
+            rates, _ = t.curves(grid, p, lookahead)
             entry[p.value] = rates.tolist()
-            if p is policy:
-                fills_of[t.name] = (grid, fills)
         entry["lru_stack"] = t.lru_stack(grid).tolist()
         curves[t.name] = entry
 
@@ -206,24 +226,23 @@ def tune(
     # small for that reads some from LMDB twice, so the options are none (no prefetch), or at least
     # PREFETCH_BATCHES batches' worth of fills.
     equal_host = [int(host_budget / n // (t.row_bytes * t.owners)) for t in tables]
-    costs, values, options = [], [], []
-    for t, d, eq in zip(tables, device_rows, equal_host, strict=True):
-        grid, fills = fills_of[t.name]
-        room = max(0, t.distinct - d)
-        floor = min(room, int(math.ceil(PREFETCH_BATCHES * t.run(d, policy, lookahead)[3])))
-        hs = np.unique(
-            np.concatenate([[0], np.linspace(floor, room, CANDIDATES).round(), [min(eq, room)]]).astype(
-                np.int64
-            )
-        )
-        hs = hs[(hs == 0) | (hs >= floor)]
-        saved = _interp_fills(grid, fills, np.array([d])) - _interp_fills(grid, fills, d + hs)
-        options.append(hs)
-        costs.append(hs * t.row_bytes * t.owners)
-        values.append(saved * t.row_bytes)
-    pick = split_budget(costs, values, host_budget)
-    assert pick is not None  # zero host rows always fit
-    host_rows = [int(options[i][k]) for i, k in enumerate(pick)]
+
+    def host_split(device_rows: list[int]) -> list[int]:
+        costs, values, options = [], [], []
+        for t, d, eq in zip(tables, device_rows, equal_host, strict=True):
+            grid, fills = fills_of[t.name]
+            room = max(0, t.distinct - d)
+            floor = min(room, int(math.ceil(PREFETCH_BATCHES * t.run(d, policy, lookahead)[3])))
+            hs = np.concatenate([[0], np.linspace(floor, room, CANDIDATES).round(), [min(eq, room)]])
+            hs = np.unique(hs.astype(np.int64))
+            hs = hs[(hs == 0) | (hs >= floor)]
+            saved = _interp_fills(grid, fills, np.array([d])) - _interp_fills(grid, fills, d + hs)
+            options.append(hs)
+            costs.append(hs * t.row_bytes * t.owners)
+            values.append(saved * t.row_bytes)
+        pick = split_budget(costs, values, host_budget)
+        assert pick is not None  # zero host rows always fit
+        return [int(options[i][k]) for i, k in enumerate(pick)]
 
     def predict(device: list[int], host: list[int]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
         per: dict[str, dict[str, float]] = {}
@@ -251,9 +270,38 @@ def tune(
         }
         return per, total
 
+    # The split works on interpolated curves; simulate the candidates exactly and keep the best. An even
+    # split of the device budget (when it holds every table's batches) competes too: it is optimal when
+    # the tables are alike.
+    host_rows = host_split(device_rows)
     chosen, total = predict(device_rows, host_rows)
     equal_ok = all(e >= t.min_rows for e, t in zip(equal_device, tables, strict=True))
     equal = predict(equal_device, equal_host)[1] if equal_ok else None
+    if equal is not None:
+        alternatives = [(equal_device, equal_host), (equal_device, host_split(equal_device))]
+        if device_rows != equal_device:
+            alternatives.append((device_rows, host_rows))
+        ranked = []
+        for dev, host in alternatives:
+            per, tot = predict(dev, host)
+            ranked.append(
+                (
+                    -tot["predicted_device_hit_rate"],
+                    tot["ssd_rows_per_step"],
+                    len(ranked),
+                    dev,
+                    host,
+                    per,
+                    tot,
+                )
+            )
+        ranked.sort(key=lambda r: r[:3])
+        best_dev, best_host, best_per, best_tot = ranked[0][3:]
+        if best_tot["predicted_device_hit_rate"] > total["predicted_device_hit_rate"] or (
+            best_tot["predicted_device_hit_rate"] == total["predicted_device_hit_rate"]
+            and best_tot["ssd_rows_per_step"] < total["ssd_rows_per_step"]
+        ):
+            device_rows, host_rows, chosen, total = best_dev, best_host, best_per, best_tot
 
     doc: dict[str, Any] = {
         "batches": rep.train_batches,

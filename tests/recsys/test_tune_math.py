@@ -167,3 +167,20 @@ def test_split_equals_brute_force(seed):
     assert pick is not None
     assert sum(int(c[k]) for c, k in zip(costs, pick, strict=True)) <= budget
     assert sum(float(v[k]) for v, k in zip(values, pick, strict=True)) == pytest.approx(best)
+
+
+def brute_force_min_capacity(trace: Trace, pinned: int) -> int:
+    best, held = 0, []
+    for b in range(trace.num_batches):
+        ids = trace.ids[trace.offsets[b] : trace.offsets[b + 1]].tolist()
+        best = max(best, len(set(ids).union(*held)))
+        if trace.train[b] and pinned > 1:
+            held = [*held, set(ids)][-(pinned - 1) :]
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_minimum_capacity_equals_brute_force(seed):
+    trace = zipf_trace(seed, batches=70, batch=30, space=250)
+    for pinned in (1, 2, 4):
+        assert min_capacity(trace, pinned_batches=pinned) == brute_force_min_capacity(trace, pinned)
