@@ -17,6 +17,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.data.batch import Batch
+from recsys.windows import sparse_module, windowed_rest
+
+torch.fx.wrap("windowed_rest")  # TorchRec's fx tracer sees the sharded lookup, not the windows' loop
 
 __all__ = ["ModelName", "ModelConfig", "build_model", "table_configs", "TrainModel", "LogisticRegression"]
 
@@ -137,12 +140,17 @@ def _logistic(ebc: EmbeddingBagCollection, num_dense: int, device: torch.device)
 class TrainModel(nn.Module):
     """Wraps a model with its loss: ``batch -> (loss, (loss, logits, labels))``, all detached but the loss."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, windows: int = 1) -> None:
         super().__init__()
         self.model = model
+        self.windows = windows  # frozen windows per training batch (recsys.windows); 1: unsplit
         self.loss_fn = nn.BCEWithLogitsLoss()
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        logits = self.model(batch.dense, batch.sparse).squeeze(-1)  # (B,)
+        if self.training and self.windows > 1:
+            parts = sparse_module(self.model)(batch.sparse)  # one awaitable KeyedTensor per window
+            logits = windowed_rest(self.model, batch.dense, parts, self.windows).squeeze(-1)
+        else:
+            logits = self.model(batch.dense, batch.sparse).squeeze(-1)  # (B,)
         loss = self.loss_fn(logits, batch.labels)
         return loss, (loss.detach(), logits.detach(), batch.labels)

@@ -142,14 +142,21 @@ class PipelineSection:
         mode: ``pipelined`` runs load, key routing, tier prefetch and device fill of later batches on
             worker threads while the current batch computes; ``sequential`` runs them inline (reference).
         trace_batches: batches recorded in ``trace.json`` (Chrome trace; 0: none).
+        frozen_windows: micro-batch windows per training batch (``recsys/windows.py``): the pooled
+            embeddings are exchanged window by window, each window's dense compute overlapping the later
+            windows' exchange, with one sparse update per batch. 1 (default) keeps the batch whole; more
+            matches the unsplit run to rounding, not bitwise.
     """
 
     mode: PipelineMode = PipelineMode.PIPELINED
     trace_batches: int = 200
+    frozen_windows: int = 1
 
     def __post_init__(self) -> None:
         if self.trace_batches < 0:
             raise ValueError(f"trace_batches must be >= 0, got {self.trace_batches}")
+        if self.frozen_windows < 1:
+            raise ValueError(f"frozen_windows must be >= 1, got {self.frozen_windows}")
 
 
 def load_tune(path: str | Path) -> dict[str, dict[str, object]]:

@@ -35,6 +35,7 @@ from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
 from recsys.sparse import ShardingKind
 from recsys.store_config import load_tune, resolve_capacities
 from recsys.tiered import EVAL, TieredTables, row_bytes, tiered_feed
+from recsys.windows import enable_frozen_windows
 
 __all__ = ["run", "Trainer"]
 
@@ -92,10 +93,19 @@ class Trainer:
         ]
         self.tables = table_configs(features, dim=cfg.model.table_dim, num_embeddings=num_embeddings)
         torch.manual_seed(cfg.train.seed)
+        windows = cfg.pipeline.frozen_windows
+        if windows > cfg.train.batch_size // env.world_size:
+            raise UserError(
+                f"pipeline.frozen_windows={windows} is more than the "
+                f"{cfg.train.batch_size // env.world_size} samples of a rank's batch"
+            )
         model = TrainModel(
-            build_model(cfg.model, self.tables, num_dense=self.data.num_dense, device=env.device)
+            build_model(cfg.model, self.tables, num_dense=self.data.num_dense, device=env.device),
+            windows=windows,
         )
         self.dmp = shard_model(model, self.tables, sparse=cfg.sparse, device=env.device)
+        if windows > 1:
+            enable_frozen_windows(self.dmp, windows, env.world_size)
         init_embedding_rows(self.dmp, self.tables, seed=cfg.train.seed, scale=cfg.sparse.init_scale)
         self.optimizer = build_optimizer(self.dmp, cfg.train)
         self.dense_optimizer = self.optimizer.optimizers[1][1]
