@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -238,7 +239,7 @@ def _tune_cache(args: argparse.Namespace) -> int:
             config, device_budget=budgets["--device-budget"], host_budget=budgets["--host-budget"],
             batches=args.batches,
         )  # fmt: skip
-        paths = write_outputs(result, args.out, config_path=str(args.config))
+        paths = write_outputs(result, args.out, config_path=str(args.config), overrides=list(args.overrides))
     except UserError as err:
         return _fail(str(err))
     doc = result.doc
@@ -257,7 +258,10 @@ def _tune_cache(args: argparse.Namespace) -> int:
     if not any(p.suffix == ".png" for p in paths):
         print(f"note: {PLOTS_HINT}")
     print(f"wrote {', '.join(str(p) for p in paths)}")
-    print(f"apply: recsys train --config {args.config} --set store.capacities_from={args.out / 'tune.json'}")
+    sets = "".join(f" --set {shlex.quote(o)}" for o in args.overrides)
+    print(
+        f"apply: recsys train --config {args.config}{sets} --set store.capacities_from={args.out / 'tune.json'}"
+    )
     return 0
 
 

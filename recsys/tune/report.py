@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def write_outputs(result: TuneResult, out: Path, *, config_path: str) -> list[Path]:
+def write_outputs(
+    result: TuneResult, out: Path, *, config_path: str, overrides: list[str] | None = None
+) -> list[Path]:
     """Write tune.json, tune.md and the plots into ``out``; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     doc = {"config": config_path, **result.doc, "curves": result.curves}
@@ -32,7 +35,7 @@ def write_outputs(result: TuneResult, out: Path, *, config_path: str) -> list[Pa
     paths[0].write_text(json.dumps(_clean(doc), indent=2) + "\n")
     plots = _plots(result, out)
     md = out / "tune.md"
-    md.write_text(_markdown(result, out, config_path=config_path, plots=plots))
+    md.write_text(_markdown(result, out, config_path=config_path, plots=plots, overrides=overrides or []))
     return [*paths, md, *plots]
 
 
@@ -40,7 +43,9 @@ def _pct(x: float | None) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
-def _markdown(result: TuneResult, out: Path, *, config_path: str, plots: list[Path]) -> str:
+def _markdown(
+    result: TuneResult, out: Path, *, config_path: str, plots: list[Path], overrides: list[str]
+) -> str:
     doc = result.doc
     lines = [
         f"# Cache tuning for `{config_path}`",
@@ -83,7 +88,8 @@ def _markdown(result: TuneResult, out: Path, *, config_path: str, plots: list[Pa
         "## Apply",
         "",
         "```bash",
-        f"recsys train --config {config_path} --set store.capacities_from={out / 'tune.json'}",
+        f"recsys train --config {config_path}{''.join(f' --set {shlex.quote(o)}' for o in overrides)} "
+        f"--set store.capacities_from={out / 'tune.json'}",
         "```",
         "",
         "or paste into the config:",

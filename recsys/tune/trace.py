@@ -157,6 +157,7 @@ class SimResult:
         miss_rows: distinct rows filled into the cache (what enters from the tier below).
         capacity: rows simulated (in the sampled trace's scale).
         peak_miss_rows: the most rows one training batch filled.
+        batch_miss_rows: (training batches,) rows each training batch filled.
     """
 
     hits: float
@@ -164,6 +165,7 @@ class SimResult:
     miss_rows: float
     capacity: int
     peak_miss_rows: int = 0
+    batch_miss_rows: np.ndarray | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -246,6 +248,7 @@ def simulate(
     lazy = _LazyOrder() if policy in (Policy.LRU, Policy.LOOKAHEAD) else None
     hits = requests = miss_rows = 0.0
     peak = 0
+    per_batch: list[int] = []
     k = 0  # training index of the next training batch
     for b in range(trace.num_batches):
         lo, hi = trace.offsets[b], trace.offsets[b + 1]
@@ -259,6 +262,7 @@ def simulate(
             requests += float(w.sum())
             miss_rows += new.shape[0]
             peak = max(peak, int(new.shape[0]))
+            per_batch.append(int(new.shape[0]))
         need = filled + new.shape[0] - capacity
         if need > 0:
             last_use[ids] = BIG  # the batch's own rows are pinned
@@ -297,7 +301,12 @@ def simulate(
             k += 1
         nxt[ids] = (next_any if policy is Policy.BELADY else next_train)[lo:hi]
     return SimResult(
-        hits=hits, requests=requests, miss_rows=miss_rows, capacity=capacity, peak_miss_rows=peak
+        hits=hits,
+        requests=requests,
+        miss_rows=miss_rows,
+        capacity=capacity,
+        peak_miss_rows=peak,
+        batch_miss_rows=np.array(per_batch, dtype=np.int64),
     )
 
 

@@ -63,6 +63,7 @@ class _Table:
     row_bytes: int
     owners: int
     memo: dict[tuple[int, Policy, int], tuple[float, float, float, float]] = field(default_factory=dict)
+    per_batch: dict[tuple[int, Policy, int], list[np.ndarray]] = field(default_factory=dict)
 
     def run(self, capacity: int, policy: Policy, lookahead: int) -> tuple[float, float, float, float]:
         """(weighted hits, weighted requests, rows filled per training batch, the most rows one batch
@@ -85,8 +86,18 @@ class _Table:
             requests += res.requests
             fills += res.miss_rows / trace.sample_rate / max(1, trace.num_train_batches)
             peak = max(peak, res.peak_miss_rows / trace.sample_rate)
+            assert res.batch_miss_rows is not None
+            self.per_batch.setdefault(key, []).append(res.batch_miss_rows / trace.sample_rate)
         self.memo[key] = (hits, requests, fills, peak)
         return self.memo[key]
+
+    def overflow(self, capacity: int, host_rows: int, policy: Policy, lookahead: int) -> float:
+        """Rows per training batch read twice: the prefetcher reads a batch's rows that no tier holds into
+        the host tier, which keeps at most ``host_rows`` of them; the fill reads the rest again. The rows
+        it reads are the misses of the device + host cache (``capacity`` rows)."""
+        self.run(capacity, policy, lookahead)
+        parts = self.per_batch[(capacity, policy, lookahead)]
+        return sum(float(np.maximum(m - host_rows, 0).sum()) / max(1, m.shape[0]) for m in parts)
 
     def curves(self, grid: np.ndarray, policy: Policy, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
         """(hit rates, rows filled per training batch) of ``policy`` at ``grid``, summed over owners."""
@@ -249,7 +260,9 @@ def tune(
         tot_hits = tot_req = tot_fills = tot_ssd = 0.0
         for t, d, h in zip(tables, device, host, strict=True):
             hits, req, fills, _ = t.run(d, policy, lookahead)
-            below = fills if h == 0 else t.run(d + h, policy, lookahead)[2]
+            below = fills
+            if h:
+                below = t.run(d + h, policy, lookahead)[2] + t.overflow(d + h, h, policy, lookahead)
             per[t.name] = {
                 "predicted_device_hit_rate": hits / req if req else 1.0,
                 "predicted_host_hit_rate": 1.0 - below / fills if fills else 1.0,
