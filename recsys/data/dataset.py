@@ -67,7 +67,12 @@ def train_batches_of(
     def endless() -> Iterator[Block]:  # epochs follow each other, each a pass in file order
         first = skip
         while True:
-            yield from source.blocks(skip_rows=first)
+            rows = 0
+            for block in source.blocks(skip_rows=first):
+                rows += block.num_rows
+                yield block
+            if rows == 0 and first == 0:  # a source that counts rows but yields none would loop forever
+                raise UserError(f"the training split should have {total} rows but reading it gave none")
             first = 0
 
     for block in rebatch(endless(), batch_size):

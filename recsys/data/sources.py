@@ -18,6 +18,7 @@ import numpy as np
 
 from recsys.data.block import Block, Jagged
 from recsys.data.text import Issues, OnError, count_lines, iter_chunks, log_issues
+from recsys.errors import UserError
 
 __all__ = ["RowSource", "TextSource", "NpySource", "MemorySource", "ParquetSource", "ChunkParser", "rebatch"]
 
@@ -162,6 +163,38 @@ class TextSource:
         return sum(i.skipped for i in self.issues.values())
 
 
+_NPY_KINDS = {"dense": "fiub", "sparse": "iub", "labels": "fiub"}  # numpy dtype kinds each array may have
+
+
+def _load_npy_part(prefix: Path) -> list[np.ndarray]:
+    """``<prefix>_{dense,sparse,labels}.npy`` memory-mapped, checked: (N, D) numbers, (N, F) integer ids,
+    (N,) or (N, 1) labels. Anything else is a UserError naming the file (no pickled data is ever loaded)."""
+    arrays = []
+    for kind, kinds in _NPY_KINDS.items():
+        path = Path(f"{prefix}_{kind}.npy")
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            raise UserError(f"npy file not found: {path}") from None
+        except (OSError, ValueError, EOFError) as err:
+            raise UserError(f"{path}: not a readable .npy array ({' '.join(str(err).split())})") from None
+        if not isinstance(array, np.ndarray) or array.dtype.kind not in kinds:
+            raise UserError(
+                f"{path}: {kind} must be {'integer ids' if kind == 'sparse' else 'numbers'}, got dtype {getattr(array, 'dtype', type(array).__name__)}"
+            )
+        want_2d = kind != "labels" or (array.ndim == 2 and array.shape[1] == 1)
+        if (array.ndim != 2) if want_2d else (array.ndim != 1):
+            shape = "(N,) or (N, 1)" if kind == "labels" else "(N, columns)"
+            raise UserError(f"{path}: {kind} must have shape {shape}, got {array.shape}")
+        arrays.append(array)
+    rows = {a.shape[0] for a in arrays}
+    if len(rows) != 1:
+        raise UserError(
+            f"{prefix}_{{dense,sparse,labels}}.npy have different row counts {[a.shape[0] for a in arrays]}"
+        )
+    return arrays
+
+
 class NpySource:
     """TorchRec's npy layout: ``<prefix>_dense.npy`` (N, D) float32 (already transformed),
     ``<prefix>_sparse.npy`` (N, F) int ids, ``<prefix>_labels.npy`` (N,) or (N, 1); memory-mapped.
@@ -170,13 +203,12 @@ class NpySource:
     def __init__(
         self, prefixes: list[Path], *, rows: tuple[int, int | None] = (0, None), chunk_rows: int = 65536
     ):
-        self.parts = []
-        for p in prefixes:
-            arrays = []
-            for kind in ("dense", "sparse", "labels"):
-                path = Path(f"{p}_{kind}.npy")
-                arrays.append(np.load(path, mmap_mode="r"))
-            self.parts.append(tuple(arrays))
+        self.parts = [tuple(_load_npy_part(p)) for p in prefixes]
+        widths = {(a[0].shape[1], a[1].shape[1]) for a in self.parts}
+        if len(widths) > 1:
+            raise UserError(
+                f"npy files {', '.join(map(str, prefixes))} differ in their dense/sparse widths {sorted(widths)}"
+            )
         self.counts = [int(a[2].shape[0]) for a in self.parts]
         self.lo, self.hi = rows[0], (sum(self.counts) if rows[1] is None else rows[1])
         self.chunk_rows = chunk_rows
