@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/quickstart.toml
 OUT ?= runs/quickstart
 
-.PHONY: train test test-slow lint format venv clean
+.PHONY: train test test-slow crash-test lint format venv clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt tools/fbgemm-gpu-cpu-shim/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test: lint
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+# Kill anywhere: SIGKILL a 2-rank tiered run at 5 random moments, resume, compare digests (~3 min on 2 cores).
+crash-test: $(STAMP)
+	$(BIN)/python -m pytest -m slow -s tests/recsys/test_crash.py
 
 format: $(STAMP)
 	$(BIN)/ruff format .

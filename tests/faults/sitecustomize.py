@@ -9,7 +9,8 @@ when that is set, so a test knows when the fault landed.
 
 Sites (the thread each runs on in a pipelined tiered run):
 
-- ``writer``: ``LmdbBackend.put_rows``, a write-back transaction (the background writer thread);
+- ``writer``: ``LmdbBackend.put_rows``, a write-back transaction (the background writer thread; kill:
+  0-3 ms after the transaction starts, so inside it or just after its commit);
 - ``prefetch``: ``TieredTables.prefetch``, SSD -> host reads (the prefetch stage worker);
 - ``route``: ``TieredTables.route``, key routing (the route stage worker);
 - ``snapshot``: ``LmdbBackend.copy_to``, the store snapshot inside a checkpoint (kill: after the copy,
@@ -19,9 +20,11 @@ Sites (the thread each runs on in a pipelined tiered run):
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import os
+import random
 import signal
 import sys
 import threading
@@ -49,6 +52,7 @@ def _wrap(site: str, action: str, n: int, rank: int | None, fn):  # type: ignore
     lock = threading.Lock()
     calls = [0]
 
+    @functools.wraps(fn)  # torch.fx reads the signature when it traces the model's forward
     def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
         me = int(os.environ.get("RANK", "0"))
         if rank is None or rank == me:
@@ -63,6 +67,12 @@ def _wrap(site: str, action: str, n: int, rank: int | None, fn):  # type: ignore
                 if action == "kill":
                     if site == "snapshot":
                         fn(*args, **kwargs)  # the copy is written, the checkpoint not yet complete
+                    elif site == "writer":  # land inside the LMDB transaction, or just after its commit
+                        threading.Timer(
+                            random.uniform(0, 0.003), os.kill, (os.getpid(), signal.SIGKILL)
+                        ).start()
+                        fn(*args, **kwargs)
+                        time.sleep(1)
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected fault at {site}")
         return fn(*args, **kwargs)
