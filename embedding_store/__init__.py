@@ -56,7 +56,7 @@ from embedding_store.errors import (
 from embedding_store.init import init_rows
 from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats, TierStats
-from embedding_store.store import RowChunk, TieredStore, restore_snapshot
+from embedding_store.store import RowChunk, TieredStore, restore_resharded, restore_snapshot
 
 __all__ = [
     "DirectoryLock",
@@ -79,5 +79,6 @@ __all__ = [
     "TierStats",
     "TieredStore",
     "init_rows",
+    "restore_resharded",
     "restore_snapshot",
 ]

@@ -29,7 +29,7 @@ import numpy as np
 from embedding_store.config import LmdbOptions, TableSpec
 from embedding_store.errors import StoreCorruptError, StoreError, StoreFullError, StoreIncompatibleError
 
-__all__ = ["FORMAT_VERSION", "LmdbBackend", "encode_keys"]
+__all__ = ["FORMAT_VERSION", "LmdbBackend", "encode_keys", "scan_snapshot"]
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
@@ -351,3 +351,72 @@ class LmdbBackend:
     def close(self) -> None:
         """Close the environment (idempotent)."""
         self._env.close()
+
+
+def scan_snapshot(
+    path: Path, spec: TableSpec, *, seed: int, chunk_rows: int = 1 << 16
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Rows of ``spec``'s table in a closed store or snapshot, read-only, ascending ids, in chunks.
+
+    Yields ``((n,) int64 ids, (n, R) float32 rows)`` with n <= ``chunk_rows``; the mapped pages are dropped
+    after each chunk, so memory stays near one chunk whatever the table's size. Nothing is written to
+    ``path`` (no lock file). A snapshot without the table yields nothing.
+
+    Raises:
+        StoreIncompatibleError: the snapshot holds the table with another layout, or another seed.
+        StoreCorruptError: the snapshot is unreadable.
+    """
+    try:
+        env = lmdb.open(str(path), readonly=True, lock=False, subdir=True, max_dbs=64, readahead=False)
+    except lmdb.Error as err:
+        raise _map_error(err, f"cannot open snapshot {path}") from err
+    data_file = os.path.realpath(path / "data.mdb")
+    try:
+        with env.begin() as txn:
+            raw = txn.get(_META_KEY, db=env.open_db(_META_DB, txn=txn, create=False))
+        try:
+            if raw is None:
+                raise ValueError("no metadata")
+            meta = json.loads(bytes(raw))
+        except (TypeError, ValueError) as err:
+            raise StoreCorruptError(f"unreadable store metadata in {path}") from err
+        if meta.get("seed") != seed:
+            raise StoreIncompatibleError(
+                f"snapshot {path} was written with seed {meta.get('seed')!r}, not {seed}"
+            )
+        have = meta.get("tables", {}).get(spec.name)
+        if have is None:
+            return
+        if have != _table_meta(spec):
+            raise StoreIncompatibleError(
+                f"table {spec.name!r} in {path} is {have}, the spec asks for {_table_meta(spec)}"
+            )
+        db = env.open_db(spec.name.encode(), create=False)
+        after = b""
+        while True:
+            keys: list[bytes] = []
+            vals: list[bytes] = []
+            with env.begin(db=db) as txn:
+                cursor = txn.cursor()
+                found = cursor.set_range(after) if after else cursor.first()
+                if found and after and cursor.key() == after:
+                    found = cursor.next()
+                while found and len(keys) < chunk_rows:
+                    keys.append(cursor.key())
+                    vals.append(cursor.value())
+                    found = cursor.next()
+            if not keys:
+                return
+            after = keys[-1]
+            buf = b"".join(vals)
+            if len(buf) != len(vals) * spec.row_bytes:
+                raise StoreCorruptError(f"{path}: table {spec.name!r} has rows of unexpected size")
+            ids = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.int64)
+            rows = np.frombuffer(buf, dtype=np.float32).reshape(len(vals), spec.row_floats).copy()
+            del keys, vals, buf
+            _drop_mapped_pages(data_file)
+            yield ids, rows
+    except lmdb.Error as err:
+        raise _map_error(err, f"read of snapshot {path} failed") from err
+    finally:
+        env.close()

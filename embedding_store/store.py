@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
@@ -25,14 +25,14 @@ import torch
 
 from embedding_store.config import MAX_ID, StoreConfig, TableSpec, Tier
 from embedding_store.errors import StoreClosedError, StoreError
-from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.lmdb_backend import LmdbBackend, scan_snapshot
 from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats
 from embedding_store.tiered_table import PrefetchPlan, TieredTable
 from embedding_store.tiers import FutureIds
 from embedding_store.writer import WriteBehind
 
-__all__ = ["RowChunk", "TieredStore", "restore_snapshot"]
+__all__ = ["RowChunk", "TieredStore", "restore_resharded", "restore_snapshot"]
 
 # Union-of-future-ids sets kept (per table and window): enough for the stages working on different windows.
 _FUTURE_CACHE_ENTRIES = 8
@@ -447,3 +447,39 @@ def restore_snapshot(snapshot: str | os.PathLike[str], path: str | os.PathLike[s
         raise StoreError(f"{dst} already holds a store; restore into an empty directory")
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src / "data.mdb", dst / "data.mdb")
+
+
+def restore_resharded(
+    snapshots: Sequence[str | os.PathLike[str]],
+    path: str | os.PathLike[str],
+    *,
+    config: StoreConfig,
+    tables: Sequence[TableSpec],
+    keep: Callable[[str, np.ndarray], np.ndarray],
+    chunk_rows: int = 1 << 16,
+) -> int:
+    """Build a store in ``path`` (which must hold none) from the snapshots of another partition of the rows.
+
+    Every snapshot is streamed table by table in chunks of ``chunk_rows`` (read-only); the rows of
+    ``tables`` whose ids ``keep(table, ids)`` ((n,) int64 -> (n,) bool) accepts are written to the new
+    store. Memory stays near one chunk. Open the result with ``TieredStore(path, config=config,
+    tables=tables)``. Returns the number of rows written.
+    """
+    dst = Path(path)
+    if (dst / "data.mdb").exists():
+        raise StoreError(f"{dst} already holds a store; restore into an empty directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    backend = LmdbBackend(dst, options=config.lmdb, seed=config.seed, tables=tables)
+    written = 0
+    try:
+        for snapshot in snapshots:
+            for spec in tables:
+                for ids, rows in scan_snapshot(Path(snapshot), spec, seed=config.seed, chunk_rows=chunk_rows):
+                    mask = keep(spec.name, ids)
+                    if mask.any():
+                        backend.put_rows([(spec.name, ids[mask], rows[mask])])
+                        written += int(mask.sum())
+        backend.sync()
+    finally:
+        backend.close()
+    return written

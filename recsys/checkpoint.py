@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from recsys.errors import UserError
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_world_size",
     "latest_checkpoint",
     "load_checkpoint",
     "resumable_checkpoint",
@@ -76,6 +78,63 @@ def _copy_into(live: Any, saved: Any, where: str) -> None:
             if key not in saved:
                 raise CheckpointError(f"checkpoint does not match the model: {where}.{key} is missing")
             _copy_into(value, saved[key], f"{where}.{key}")
+
+
+def _offsets(value: Any, where: str) -> dict[str, list[list[int]]]:
+    """``{dotted path: [offsets of each local shard]}`` of every sharded tensor in a (nested) state dict."""
+    if hasattr(value, "local_shards"):
+        return {where: [list(s.metadata.shard_offsets) for s in value.local_shards()]}
+    out: dict[str, list[list[int]]] = {}
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out.update(_offsets(item, f"{where}.{key}"))
+    return out
+
+
+@torch.no_grad()
+def _reshard_into(
+    live: Any, saved: list[tuple[Any, dict[str, Any]]], where: str, skip: Callable[[str], bool]
+) -> None:
+    """Fill ``live`` (this rank's state under the new sharding) from every old rank's ``(state, offsets)``.
+
+    A sharded tensor's local shard is assembled from the saved shards that overlap it (by their global
+    offsets); anything else is replicated, and taken from old rank 0.
+    """
+    if skip(where):
+        return
+    if hasattr(live, "local_shards"):
+        for shard in live.local_shards():
+            lo = list(shard.metadata.shard_offsets)
+            filled = 0
+            for state, offsets in saved:
+                for piece, off in zip(state, offsets.get(where, []), strict=True):
+                    region = [
+                        (max(a, b), min(a + n, b + m))
+                        for a, n, b, m in zip(lo, shard.tensor.shape, off, piece.shape, strict=True)
+                    ]
+                    if any(start >= stop for start, stop in region):
+                        continue
+                    dst = tuple(
+                        slice(start - a, stop - a) for (start, stop), a in zip(region, lo, strict=True)
+                    )
+                    src = tuple(
+                        slice(start - b, stop - b) for (start, stop), b in zip(region, off, strict=True)
+                    )
+                    shard.tensor[dst] = piece[src]
+                    filled += math.prod(stop - start for start, stop in region)
+            if filled != shard.tensor.numel():
+                raise CheckpointError(
+                    f"checkpoint does not cover {where} at offsets {lo} under the new sharding"
+                )
+    elif isinstance(live, torch.Tensor):
+        _copy_tensor(live, saved[0][0], where)
+    elif isinstance(live, dict):
+        for key, value in live.items():
+            # Under table-wise sharding only the ranks that held a table saved its optimizer state.
+            parts = [(state[key], offsets) for state, offsets in saved if key in state]
+            if not parts:
+                raise CheckpointError(f"checkpoint does not match the model: {where}.{key} is missing")
+            _reshard_into(value, parts, f"{where}.{key}", skip)
 
 
 def _copy_tensor(live: torch.Tensor, saved: torch.Tensor, where: str) -> None:
@@ -136,13 +195,16 @@ def save_checkpoint(
     if world > 1:
         dist.barrier()
     path.mkdir(parents=True, exist_ok=True)
+    model_state, fused_state = dmp.state_dict(), dmp.fused_optimizer.state_dict()["state"]
     payload = {
         "step": step,
         "world_size": world,
-        "model": _leaves(dmp.state_dict()),
-        "fused_optimizer": _leaves(dmp.fused_optimizer.state_dict()["state"]),
+        "model": _leaves(model_state),
+        "fused_optimizer": _leaves(fused_state),
         "dense_optimizer": _leaves(dense_optimizer.state_dict()),
         "rng": torch.get_rng_state(),
+        # Where each local shard sits in its table: a checkpoint can be loaded by another number of ranks.
+        "shard_offsets": _offsets(model_state, "model") | _offsets(fused_state, "fused_optimizer"),
     }
     tmp = path / f".rank_{rank}.pt.tmp"
     with open(tmp, "wb") as f:
@@ -278,20 +340,46 @@ def resumable_checkpoint(root: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(path: Path, *, dmp: Any, dense_optimizer: Any) -> int:
-    """Restore this rank's state from checkpoint ``path``; returns the step to continue from."""
+def load_checkpoint(path: Path, *, dmp: Any, dense_optimizer: Any, skip_tables: Collection[str] = ()) -> int:
+    """Restore this rank's state from checkpoint ``path``; returns the step to continue from.
+
+    A checkpoint written by another number of ranks is re-partitioned: every sharded tensor (embedding
+    shards and their fused-optimizer state) is assembled from the old ranks' shards by global offsets;
+    dense parameters and the dense optimizer are replicated and come from old rank 0. ``skip_tables``
+    (tiered slot tables, whose rows the store restores) are left alone in that case.
+    """
     rank, world = _rank_world()
     meta = _read_meta(path)
-    if meta["world_size"] != world:
-        raise CheckpointError(
-            f"checkpoint {path} was written by {meta['world_size']} ranks, this run has {world}"
-        )
-    payload = torch.load(path / f"rank_{rank}.pt", weights_only=True)
-    _copy_into(dmp.state_dict(), payload["model"], "model")
-    _copy_into(dmp.fused_optimizer.state_dict()["state"], payload["fused_optimizer"], "fused_optimizer")
+    old_world = int(meta["world_size"])
+    if old_world == world:
+        payload = torch.load(path / f"rank_{rank}.pt", weights_only=True)
+        _copy_into(dmp.state_dict(), payload["model"], "model")
+        _copy_into(dmp.fused_optimizer.state_dict()["state"], payload["fused_optimizer"], "fused_optimizer")
+    else:
+        # mmap: the old ranks' files are read piece by piece, never all in memory at once.
+        payloads = [torch.load(path / f"rank_{q}.pt", weights_only=True, mmap=True) for q in range(old_world)]
+        if any("shard_offsets" not in p for p in payloads):
+            raise CheckpointError(
+                f"checkpoint {path} was written by {old_world} ranks, this run has {world}, and it predates "
+                "resharding (no shard offsets)"
+            )
+
+        def skip(where: str) -> bool:
+            return any(f"embedding_bags.{name}." in where for name in skip_tables)
+
+        for part in ("model", "fused_optimizer"):
+            live = dmp.state_dict() if part == "model" else dmp.fused_optimizer.state_dict()["state"]
+            _reshard_into(live, [(p[part], p["shard_offsets"]) for p in payloads], part, skip)
+        payload = payloads[min(rank, old_world - 1)]
+        payload["dense_optimizer"] = payloads[0]["dense_optimizer"]
     # Optimizers such as Adam create their state lazily on the first step; a zero-gradient step creates it
     # (leaving the parameters unchanged) so that the saved state can be loaded into it.
     dense_optimizer.init_state()
     dense_optimizer.load_state_dict(payload["dense_optimizer"])
     torch.set_rng_state(payload["rng"])
     return int(payload["step"])
+
+
+def checkpoint_world_size(path: Path) -> int:
+    """The number of ranks that wrote checkpoint ``path``."""
+    return int(_read_meta(path)["world_size"])

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -40,6 +41,7 @@ from embedding_store import (
     TableSpec,
     Tier,
     TieredStore,
+    restore_resharded,
     restore_snapshot,
 )
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
@@ -214,14 +216,18 @@ class TieredTables:
         assert lock is not None
         return lock
 
-    def open(self, *, snapshot: Path | None = None) -> None:
-        """Open this rank's store: empty for a fresh run, or restored from a checkpoint's snapshot."""
+    def open(self, *, snapshot: Path | None = None, reshard_from: list[Path] | None = None) -> None:
+        """Open this rank's store: empty for a fresh run, restored from this rank's ``snapshot`` in a
+        checkpoint, or (``reshard_from``: every snapshot of a checkpoint written by another number of
+        ranks) rebuilt from the rows this rank owns now, streamed in chunks."""
         if not hasattr(self, "_store_args"):
             return
         if self.path.exists():
             shutil.rmtree(self.path)
         if snapshot is not None:
             restore_snapshot(snapshot, self.path)
+        elif reshard_from is not None:
+            restore_resharded(reshard_from, self.path, keep=self._owns, **self._store_args)
         self.store = TieredStore(self.path, **self._store_args)
         for name, shard in self._shards.items():
             # `.data`: the fill stage writes slots of later batches while autograd holds the table for the
@@ -229,6 +235,12 @@ class TieredTables:
             # writes must not bump the version counter that autograd checks.
             state = None if shard.state is None else shard.state.data
             self.store.bind(name, weights=shard.weight.data, state=state)
+
+    def _owns(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """(n,) bool: which ids of table ``name`` this rank owns (its store only holds its own tables)."""
+        if not self.row_wise:
+            return np.ones(ids.shape[0], dtype=bool)
+        return (owner_of_ids(torch.from_numpy(ids), self.world_size) == self.rank).numpy()
 
     def close(self, *, flush: bool = True) -> None:
         """Close the store (flushing it, unless ``flush=False`` after a failure) and release the lock."""

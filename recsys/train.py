@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from embedding_store import StoreCapacityError, StoreFullError
 from pipelines import StagedPipeline, StageFailed
-from recsys.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint
+from recsys.checkpoint import checkpoint_world_size, load_checkpoint, resumable_checkpoint, save_checkpoint
 from recsys.config import RunConfig, config_to_dict
 from recsys.data.batch import Batch
 from recsys.data.source import build_dataset
@@ -213,17 +213,28 @@ class Trainer:
 
     def start(self, *, resume: bool) -> None:
         """Restore the newest complete checkpoint (``resume``) or start fresh; open the tiered store."""
-        snapshot = None
+        snapshot, reshard = None, None
         if resume:
             path = resumable_checkpoint(self.checkpoint_root)
             if path is None:
                 raise UserError(f"--resume: no complete, intact checkpoint under {self.checkpoint_root}")
-            self.step = load_checkpoint(path, dmp=self.dmp, dense_optimizer=self.dense_optimizer)
-            snapshot = self._store_snapshot(path) if self.tiered is not None else None
+            old_world = checkpoint_world_size(path)
+            tiered = [] if self.tiered is None else self.tiered.names
+            self.step = load_checkpoint(
+                path, dmp=self.dmp, dense_optimizer=self.dense_optimizer, skip_tables=tiered
+            )
+            if self.tiered is not None and old_world == self.env.world_size:
+                snapshot = self._store_snapshot(path)
+            elif self.tiered is not None:  # rows re-partitioned by this run's ownership
+                reshard = sorted(path.glob("store_rank_*"))
             if self.env.is_main:
                 log.info("resumed from %s (step %d)", path, self.step)
+                if old_world != self.env.world_size:
+                    log.info(
+                        "re-partitioned a checkpoint of %d ranks onto %d", old_world, self.env.world_size
+                    )
         if self.tiered is not None:
-            self.tiered.open(snapshot=snapshot)
+            self.tiered.open(snapshot=snapshot, reshard_from=reshard)
 
     def close(self, *, flush: bool = True) -> None:
         """Close the tiered store and release its lock (idempotent).
