@@ -34,6 +34,8 @@ __all__ = ["FORMAT_VERSION", "LmdbBackend", "encode_keys", "scan_snapshot"]
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
 _META_KEY = b"format"
+# How often a running snapshot copy drops its mapped pages of the data file.
+_COPY_UNMAP_S = 0.02
 _CORRUPT = (
     lmdb.CorruptedError,
     lmdb.PageNotFoundError,
@@ -341,12 +343,28 @@ class LmdbBackend:
             raise _map_error(err, "sync failed") from err
 
     def copy_to(self, dest: Path) -> None:
-        """Write a compacted, consistent copy of the environment into the empty directory ``dest``."""
+        """Write a compacted, consistent copy of the environment into the empty directory ``dest``.
+
+        LMDB's copy reads every page through this process's mapping of the data file; a helper thread
+        drops the mapped pages every ``_COPY_UNMAP_S`` seconds meanwhile (``MADV_DONTNEED``: the page cache
+        stays, the pages re-fault if read again), so the copy does not pull the whole table into RSS.
+        """
+        done = threading.Event()
+
+        def unmap() -> None:
+            while not done.wait(_COPY_UNMAP_S):
+                _drop_mapped_pages(self._data_file)
+
+        helper = threading.Thread(target=unmap, name="tierrec-copy-unmap", daemon=True)
+        helper.start()
         try:
             with self._rw.shared():
                 self._env.copy(str(dest), compact=True)
         except lmdb.Error as err:
             raise _map_error(err, f"snapshot to {dest} failed") from err
+        finally:
+            done.set()
+            helper.join()
 
     def close(self) -> None:
         """Close the environment (idempotent)."""
