@@ -128,6 +128,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported field type {annotation!r}")
 
 
+def _shown(text: str) -> str:
+    """User text inside a one-line message: escaped (``\\n``, ``\\x00``) when it is not printable."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def _build_section(name: str, cls: type, values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     valid = [f.name for f in dataclasses.fields(cls)]
@@ -135,7 +140,7 @@ def _build_section(name: str, cls: type, values: dict[str, Any]) -> Any:
     for key, value in values.items():
         if key not in valid:
             raise ConfigError(
-                f"unknown config key '{name}.{key}'; valid keys of [{name}]: {', '.join(valid)}"
+                f"unknown config key '{name}.{_shown(key)}'; valid keys of [{name}]: {', '.join(valid)}"
             )
         kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
     try:
@@ -170,7 +175,9 @@ def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ())
     merged: dict[str, dict[str, Any]] = {}
     for name, values in tree.items():
         if name not in sections:
-            raise ConfigError(f"unknown config section [{name}]; valid sections: {', '.join(sections)}")
+            raise ConfigError(
+                f"unknown config section [{_shown(name)}]; valid sections: {', '.join(sections)}"
+            )
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table of keys, got {values!r}")
         merged[name] = dict(values)
@@ -178,7 +185,8 @@ def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ())
         section, key, value = parse_override(text)
         if section not in sections:
             raise ConfigError(
-                f"unknown config section '{section}' in --set {text!r}; valid sections: {', '.join(sections)}"
+                f"unknown config section '{_shown(section)}' in --set {text!r}; "
+                f"valid sections: {', '.join(sections)}"
             )
         merged.setdefault(section, {})[key] = value
     built = {name: _build_section(name, cls, merged.get(name, {})) for name, cls in sections.items()}
