@@ -79,6 +79,7 @@ from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
 from recsys.distributed import DistEnv, free_port, init_distributed
 from recsys.tiered import TieredTables
 from recsys.train import Trainer
+from recsys.tune.trace import belady_hits
 
 EXPERIMENTS = ("fits_cache", "ssd_bound", "cold", "delays", "hit_rates")
 
@@ -624,54 +625,6 @@ class TraceRecorder:
         hits = sum(h for h, _ in self.device_before_eval.values())
         misses = sum(m for _, m in self.device_before_eval.values())
         return hits / (hits + misses)
-
-
-def belady_hits(trace: list[np.ndarray], capacity: int, pinned_batches: int) -> tuple[int, int]:
-    """Belady's MIN over a per-batch unique-id trace of one table: (hits, misses).
-
-    Batch i needs all of ``trace[i]`` (sorted unique ids) resident at once; the rows used by the
-    ``pinned_batches - 1`` batches before it are pinned (still in flight). Missing rows take free slots,
-    else evict the unpinned rows whose next use is furthest in the future (never-again rows first).
-    """
-    n = len(trace)
-    sizes = [t.shape[0] for t in trace]
-    ids_cat = np.concatenate(trace)
-    batch_of = np.repeat(np.arange(n, dtype=np.int64), sizes)
-    order = np.lexsort((batch_of, ids_cat))  # by id, then batch
-    sid, sb = ids_cat[order], batch_of[order]
-    nxt = np.full(sid.shape[0], n + 1, dtype=np.int64)  # n + 1: never used again
-    same = sid[1:] == sid[:-1]
-    nxt[:-1][same] = sb[1:][same]
-    next_flat = np.empty_like(nxt)
-    next_flat[order] = nxt
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    res_ids = np.empty(0, np.int64)  # (R,) sorted resident ids
-    res_next = np.empty(0, np.int64)  # (R,) their next use
-    res_last = np.empty(0, np.int64)  # (R,) the last batch that used them (pins)
-    hits = misses = 0
-    for i in range(n):
-        ids, nu = trace[i], next_flat[offsets[i] : offsets[i + 1]]
-        hit = np.isin(ids, res_ids, assume_unique=True)
-        hits += int(hit.sum())
-        misses += int((~hit).sum())
-        where = np.searchsorted(res_ids, ids[hit])
-        res_next[where] = nu[hit]
-        res_last[where] = i
-        need = res_ids.shape[0] + int((~hit).sum()) - capacity
-        if need > 0:
-            evictable = np.flatnonzero(res_last <= i - pinned_batches)  # used by no batch in flight
-            if need > evictable.shape[0]:
-                raise ValueError(f"batch {i} does not fit in {capacity} slots beside the pinned rows")
-            far = evictable[np.argsort(-res_next[evictable], kind="stable")[:need]]
-            keep = np.ones(res_ids.shape[0], bool)
-            keep[far] = False
-            res_ids, res_next, res_last = res_ids[keep], res_next[keep], res_last[keep]
-        all_ids = np.concatenate([res_ids, ids[~hit]])
-        o = np.argsort(all_ids, kind="stable")
-        res_ids = all_ids[o]
-        res_next = np.concatenate([res_next, nu[~hit]])[o]
-        res_last = np.concatenate([res_last, np.full(int((~hit).sum()), i, np.int64)])[o]
-    return hits, misses
 
 
 def hit_rates(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from embedding_store.init import mix64
 
-__all__ = ["Policy", "SimResult", "Trace", "TraceBuilder", "min_capacity", "simulate"]
+__all__ = ["Policy", "SimResult", "Trace", "TraceBuilder", "belady_hits", "min_capacity", "simulate"]
 
 
 class Policy(enum.Enum):
@@ -397,3 +397,20 @@ def _key(
 def prepare(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """Next-use arrays of a trace, shared by several :func:`simulate` calls."""
     return _next_use(trace)
+
+
+def belady_hits(batches: list[np.ndarray], capacity: int, pinned_batches: int) -> tuple[int, int]:
+    """Belady's MIN over per-batch distinct ids of one table, every batch a training batch: (hits, misses).
+
+    Batch i needs all of its ids resident at once; the rows of the ``pinned_batches - 1`` batches before
+    it are pinned. A shorthand for :func:`simulate` with ``Policy.BELADY`` (used by
+    ``benchmarks/bench_pipeline.py``).
+
+    Raises:
+        CapacityTooSmall: a batch does not fit beside the pinned rows.
+    """
+    builder = TraceBuilder()
+    for ids in batches:
+        builder.add(ids, np.ones(ids.shape[0], np.int64), train=True)
+    res = simulate(builder.build(), capacity, policy=Policy.BELADY, pinned_batches=pinned_batches)
+    return int(res.hits), int(res.requests - res.hits)
