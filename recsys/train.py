@@ -408,8 +408,9 @@ class Trainer:
                 raise UserError(f"{cause}; raise store.max_lmdb_bytes or free disk space") from err
             if isinstance(cause, StoreCapacityError):
                 raise UserError(
-                    f"store.device_rows={self.config.store.device_rows} is too small for the batches in flight "
-                    f"(four training batches, or one evaluation batch): {cause}"
+                    "the device tier is too small for the batches in flight (four training batches, or one "
+                    f"evaluation batch): {cause}; raise store.device_rows (now {self.config.store.device_rows}) "
+                    "or the table's store.capacity.<feature>.device (`recsys tune-cache` states the minimum)"
                 ) from err
             raise
         finally:
