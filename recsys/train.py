@@ -340,6 +340,7 @@ class Trainer:
         ``device_hit_rate``: ids found in their owner's slots / ids requested (one per sending rank).
         ``host_hit_rate``: share of the rows filled into the device tier that came from host DRAM rather
         than from LMDB or a first initialisation: ``1 - (ssd_rows_read + rows_initialised) / device_rows_in``.
+        ``device_requests``: the ids requested (weights of the table's share of a total hit rate).
         """
         mine = {name: value.tolist() for name, value in self._train_counters.items()}
         parts = [mine]
@@ -362,6 +363,7 @@ class Trainer:
                 "device_hit_rate": c["device_hits"] / requests if requests else 1.0,
                 "host_hit_rate": 1.0 - below / c["device_rows_in"] if c["device_rows_in"] else 1.0,
                 "ssd_rows_per_step": below / max(1, self.step),
+                "device_requests": requests,
             }
             feature = name.removeprefix("t_")
             if feature in predicted:

@@ -188,9 +188,9 @@ def test_tuned_two_rank_run_measures_the_predicted_hit_rates(
     )
     even = _train(python, cli_env, repo_root, config, tmp_path / "even", f"store.capacity={{{caps}}}")
 
-    def total(summary: dict) -> float:
+    def total(summary: dict) -> float:  # over the training batches, all tables
         tiers = [summary["tiers"][n] for n in doc["tables"]]
-        hits = sum(t["device"]["hits"] for t in tiers)
-        return hits / sum(t["device"]["hits"] + t["device"]["misses"] for t in tiers)
+        hits = sum(t["device_hit_rate"] * t["device_requests"] for t in tiers)
+        return hits / sum(t["device_requests"] for t in tiers)
 
     assert total(summary) > total(even)
