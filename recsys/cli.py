@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -181,6 +182,15 @@ def _train(args: argparse.Namespace) -> int:
                 start_method="spawn",
             )
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
+            killed = isinstance(err, mp.ProcessExitedException) and err.exit_code < 0
+            if killed and not (out / f".failed_rank_{err.error_index}.json").exists():
+                # Killed by a signal (OOM killer, kill -9): the other ranks' errors are only its echo.
+                name = signal.Signals(-err.exit_code).name if -err.exit_code in signal.valid_signals() else ""
+                print(
+                    f"recsys: error: worker {err.error_index} was killed by signal {-err.exit_code} {name}".rstrip(),
+                    file=sys.stderr,
+                )
+                return 1
             if (code := _report_first_failure(out)) is not None:
                 return code
             if isinstance(err, mp.ProcessRaisedException):
