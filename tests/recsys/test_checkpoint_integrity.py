@@ -10,35 +10,21 @@ from pathlib import Path
 import pytest
 
 from recsys.checkpoint import DAMAGED_PREFIX, META, _describe, resumable_checkpoint, verify_checkpoint
+from tests.recsys.tiny import tiny_config
 
-CONFIG = """
-[synthetic]
-num_sparse = 3
-id_space = 3000
-eval_samples = 256
-
-[model]
-embedding_dim = 8
-dense_arch = [16, 8]
-over_arch = [16]
-
-[train]
-steps = 60
-batch_size = 128
-nproc = 1
-log_every = 20
-checkpoint_every = 20
-keep_checkpoints = 3
-threads_per_rank = 1
-
-[store]
-tiered = true
-device_rows = 700
-host_rows = 300
-
-[eval]
-batch_size = 256
-"""
+CONFIG = tiny_config(
+    synthetic={"num_sparse": 3, "id_space": 3000, "eval_samples": 256},
+    model={"over_arch": [16]},
+    train={
+        "steps": 60,
+        "batch_size": 128,
+        "nproc": 1,
+        "log_every": 20,
+        "checkpoint_every": 20,
+        "keep_checkpoints": 3,
+    },
+    store={"device_rows": 700, "host_rows": 300},
+)
 
 
 def _fake_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:

@@ -21,38 +21,15 @@ from pathlib import Path
 import pytest
 
 from recsys.checkpoint import META
+from tests.recsys.tiny import tiny_config
 
 FAULTS = Path(__file__).resolve().parents[1] / "faults"
 ROOT = Path(__file__).resolve().parents[2]
 
-CONFIG = """
-[synthetic]
-num_sparse = 4
-id_space = 20000
-eval_samples = 1024
-
-[model]
-embedding_dim = 8
-dense_arch = [16, 8]
-over_arch = [32]
-
-[train]
-steps = 320
-batch_size = 256
-nproc = 2
-log_every = 40
-checkpoint_every = 20
-keep_checkpoints = 3
-threads_per_rank = 1
-
-[store]
-tiered = true
-device_rows = 1400
-host_rows = 400
-
-[eval]
-batch_size = 256
-"""
+CONFIG = tiny_config(
+    synthetic={"eval_samples": 1024},
+    train={"steps": 320, "nproc": 2, "log_every": 40, "checkpoint_every": 20, "keep_checkpoints": 3},
+)
 
 # (site, range of the call to kill at, counted from the start of each attempt in the killed process).
 # Small enough that five kills never use up the run (each attempt resumes from the last checkpoint).

@@ -17,35 +17,12 @@ import pytest
 
 from embedding_store import OptimizerKind, StoreConfig, TableSpec, TieredStore
 from recsys.checkpoint import latest_checkpoint, verify_checkpoint
+from tests.recsys.tiny import tiny_config
 
-CONFIG = """
-[synthetic]
-num_sparse = 4
-id_space = 20000
-eval_samples = 1024
-
-[model]
-embedding_dim = 8
-dense_arch = [16, 8]
-over_arch = [32]
-
-[train]
-steps = 120
-batch_size = 256
-nproc = 2
-log_every = 50
-checkpoint_every = 20
-keep_checkpoints = 10
-threads_per_rank = 1
-
-[store]
-tiered = true
-device_rows = 1400
-host_rows = 400
-
-[eval]
-batch_size = 256
-"""
+CONFIG = tiny_config(
+    synthetic={"eval_samples": 1024},
+    train={"steps": 120, "nproc": 2, "log_every": 50, "checkpoint_every": 20, "keep_checkpoints": 10},
+)
 
 CAP = 1 << 20  # the stores grow past 2 MiB; the first checkpoints fit
 

@@ -17,33 +17,11 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.recsys.tiny import tiny_config
+
 FAULTS = Path(__file__).resolve().parents[1] / "faults"
 
-CONFIG = """
-[synthetic]
-num_sparse = 4
-id_space = 20000
-eval_samples = 512
-
-[model]
-embedding_dim = 8
-dense_arch = [16, 8]
-over_arch = [32]
-
-[train]
-steps = 120
-batch_size = 256
-nproc = 2
-threads_per_rank = 1
-
-[store]
-tiered = true
-device_rows = 1400
-host_rows = 400
-
-[eval]
-batch_size = 256
-"""
+CONFIG = tiny_config(train={"steps": 120, "nproc": 2})
 
 # Seconds from the injected fault to the CLI's exit; generous for a loaded 2-core machine (about 4 s idle).
 PROMPT_S = 30

@@ -16,35 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.recsys.tiny import tiny_config
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
 
-CONFIG = """
-[synthetic]
-num_sparse = 4
-id_space = 20000
-eval_samples = 512
-
-[model]
-embedding_dim = 8
-dense_arch = [16, 8]
-over_arch = [32]
-
-[train]
-steps = 40
-batch_size = 256
-checkpoint_every = 20
-threads_per_rank = 1
-
-[store]
-tiered = true
-tables = ["cat_0", "cat_2"]
-device_rows = 1400
-host_rows = 400
-
-[eval]
-batch_size = 256
-"""
+CONFIG = tiny_config(train={"steps": 40, "checkpoint_every": 20}, store={"tables": ["cat_0", "cat_2"]})
 
 
 def _train(config: Path, out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from embedding_store import DirectoryLock, StoreLockedError
+from tests.recsys.tiny import tiny_config
 
 HOLD = """
 import sys, time
@@ -46,33 +47,18 @@ def test_stale_lock_of_a_killed_process_is_recovered(tmp_path, cli_env):
         assert (tmp_path / "rank_0.lock").read_text().strip() == str(os.getpid())
 
 
-CONFIG = """
-[synthetic]
-num_sparse = 3
-id_space = 3000
-eval_samples = 256
-
-[model]
-embedding_dim = 8
-dense_arch = [16, 8]
-over_arch = [16]
-
-[train]
-steps = 1000000
-batch_size = 128
-nproc = 1
-checkpoint_every = 50
-keep_checkpoints = 1000000
-threads_per_rank = 1
-
-[store]
-tiered = true
-device_rows = 700
-host_rows = 300
-
-[eval]
-batch_size = 256
-"""
+CONFIG = tiny_config(
+    synthetic={"num_sparse": 3, "id_space": 3000, "eval_samples": 256},
+    model={"over_arch": [16]},
+    train={
+        "steps": 1000000,
+        "batch_size": 128,
+        "nproc": 1,
+        "checkpoint_every": 50,
+        "keep_checkpoints": 1000000,
+    },
+    store={"device_rows": 700, "host_rows": 300},
+)
 
 
 def test_second_run_on_a_store_in_use_is_refused(tmp_path, cli_env, python, repo_root):
