@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from recsys.checkpoint import DAMAGED_PREFIX, META, _describe, resumable_checkpoint, verify_checkpoint
-from tests.recsys.tiny import tiny_config
+from tests.recsys.tiny import run_train, tiny_config
 
 CONFIG = tiny_config(
     synthetic={"num_sparse": 3, "id_space": 3000, "eval_samples": 256},
@@ -66,19 +64,6 @@ def test_resumable_skips_damaged_and_incomplete_checkpoints(tmp_path, caplog):
     assert resumable_checkpoint(tmp_path) == good  # the damaged one is out of the way now
 
 
-def _train(cli_env, python, repo_root, config, out, *extra) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [python, "-m", "recsys", "train", "--config", str(config), "--out", str(out), *extra],
-        cwd=repo_root,
-        env=cli_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 def _digest(out: Path) -> str:
     return json.loads((out / "summary.json").read_text())["model_digest"]
 
@@ -86,12 +71,12 @@ def _digest(out: Path) -> str:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[Path, str]:
     """The config file and the digest of the run without damage."""
-    from tests.conftest import ROOT, subprocess_env
+    from tests.conftest import subprocess_env
 
     tmp = tmp_path_factory.mktemp("whole")
     config = tmp / "c.toml"
     config.write_text(CONFIG)
-    _train(subprocess_env(), sys.executable, ROOT, config, tmp / "out")
+    run_train(config, tmp / "out", env=subprocess_env())
     return config, _digest(tmp / "out")
 
 
@@ -101,7 +86,7 @@ def test_damaged_checkpoint_falls_back_and_resumes_exactly(
 ):
     config, whole = uninterrupted
     run = tmp_path / "run"
-    _train(cli_env, python, repo_root, config, run, "--set", "train.steps=40")  # checkpoints 20, 40
+    run_train(config, run, "--set", "train.steps=40", env=cli_env)  # checkpoints 20, 40
     newest = run / "checkpoints" / "step_00000040"
     if damage == "truncate_rank_file":
         bad = newest / "rank_0.pt"
@@ -113,7 +98,7 @@ def test_damaged_checkpoint_falls_back_and_resumes_exactly(
         data[len(data) // 2] ^= 0x40
         bad.write_bytes(bytes(data))
         why = "is altered (checksum mismatch)"
-    resumed = _train(cli_env, python, repo_root, config, run, "--resume")
+    resumed = run_train(config, run, "--resume", env=cli_env)
     assert f"checkpoint {newest} is damaged: {bad} {why}" in resumed.stderr
     assert "resumed from" in resumed.stderr and "step_00000020 (step 20)" in resumed.stderr
     assert _digest(run) == whole

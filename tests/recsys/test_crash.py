@@ -14,14 +14,12 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from recsys.checkpoint import META
-from tests.recsys.tiny import tiny_config
+from tests.recsys.tiny import run_train, tiny_config
 
 FAULTS = Path(__file__).resolve().parents[1] / "faults"
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,17 +33,6 @@ CONFIG = tiny_config(
 # Small enough that five kills never use up the run (each attempt resumes from the last checkpoint).
 MOMENTS = {"writer": (1, 6), "snapshot": (1, 2), "step": (5, 40)}
 KILLS = 5
-
-
-def _run(config: Path, out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "recsys", "train", "--config", str(config), "--out", str(out), *extra],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def _checkpoints(out: Path) -> tuple[set[str], set[str]]:
@@ -68,7 +55,7 @@ def test_kill_anywhere_and_resume_reaches_the_uninterrupted_model(tmp_path, cli_
     rng.shuffle(kinds)
     config = tmp_path / "c.toml"
     config.write_text(CONFIG)
-    whole = _run(config, tmp_path / "whole", cli_env)
+    whole = run_train(config, tmp_path / "whole", env=cli_env, check=False)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     out, log = tmp_path / "run", tmp_path / "faults.log"
@@ -80,7 +67,7 @@ def test_kill_anywhere_and_resume_reaches_the_uninterrupted_model(tmp_path, cli_
         env = dict(cli_env, TIERREC_FAULT=spec, TIERREC_FAULT_LOG=str(log))
         env["PYTHONPATH"] = str(FAULTS) + os.pathsep + env["PYTHONPATH"]
         complete, _ = _checkpoints(out)
-        proc = _run(config, out, env, *(["--resume"] if complete else []))
+        proc = run_train(config, out, *(["--resume"] if complete else []), env=env, check=False)
         resumed = _resumed_from(proc.stderr)
         fired = log.read_text().count("\n") if log.exists() else 0
         history.append((spec, resumed, proc.returncode))
@@ -92,7 +79,7 @@ def test_kill_anywhere_and_resume_reaches_the_uninterrupted_model(tmp_path, cli_
         if kind == "snapshot":
             assert left_incomplete, f"{spec}: the kill should leave the checkpoint being written incomplete"
 
-    final = _run(config, out, cli_env, "--resume")
+    final = run_train(config, out, "--resume", env=cli_env, check=False)
     assert final.returncode == 0, final.stderr[-3000:]
     resumed = _resumed_from(final.stderr)
     assert resumed is not None and resumed not in left_incomplete

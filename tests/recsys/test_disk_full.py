@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import lmdb
@@ -17,7 +16,7 @@ import pytest
 
 from embedding_store import OptimizerKind, StoreConfig, TableSpec, TieredStore
 from recsys.checkpoint import latest_checkpoint, verify_checkpoint
-from tests.recsys.tiny import tiny_config
+from tests.recsys.tiny import run_train, tiny_config
 
 CONFIG = tiny_config(
     synthetic={"eval_samples": 1024},
@@ -25,20 +24,6 @@ CONFIG = tiny_config(
 )
 
 CAP = 1 << 20  # the stores grow past 2 MiB; the first checkpoints fit
-
-
-def _train(out: Path, config: Path, *extra: str, env, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "recsys", "train", "--config", str(config), "--out", str(out), *extra],
-        cwd=Path(__file__).resolve().parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def _reopen(path: Path, seed: int) -> int:
@@ -74,7 +59,7 @@ def full_run(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]
     config = tmp / "c.toml"
     config.write_text(CONFIG)
     run = tmp / "run"
-    proc = _train(run, config, "--set", f"store.max_lmdb_bytes={CAP}", env=subprocess_env(), check=False)
+    proc = run_train(config, run, "--set", f"store.max_lmdb_bytes={CAP}", env=subprocess_env(), check=False)
     return config, run, proc
 
 
@@ -104,8 +89,8 @@ def test_full_store_and_last_checkpoint_reopen_intact(full_run):
 def test_resume_after_a_full_store_reaches_the_uninterrupted_model(full_run, tmp_path, cli_env):
     config, run, _ = full_run
     whole = tmp_path / "whole"
-    _train(whole, config, env=cli_env)
-    resumed = _train(run, config, "--resume", env=cli_env)  # no cap now
+    run_train(config, whole, env=cli_env)
+    resumed = run_train(config, run, "--resume", env=cli_env)  # no cap now
     assert "is damaged" not in resumed.stderr and "resumed from" in resumed.stderr
     digest = [json.loads((d / "summary.json").read_text())["model_digest"] for d in (whole, run)]
     assert digest[0] == digest[1]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.recsys.tiny import run_train
+
 CONFIG = """
 [synthetic]
 num_sparse = 4
@@ -42,24 +44,10 @@ def config_file(tmp_path_factory) -> Path:
     return path
 
 
-def _train(python, env, repo_root, config, out, *extra, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [python, "-m", "recsys", "train", "--config", str(config), "--out", str(out), *extra],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, config_file, repo_root_module, python_module, env_module) -> Path:
     out = tmp_path_factory.mktemp("run_a")
-    _train(python_module, env_module, repo_root_module, config_file, out)
+    run_train(config_file, out, env=env_module)
     return out
 
 
@@ -112,7 +100,7 @@ def test_two_rank_run_writes_summary_and_metrics(first_run):
 def test_same_config_twice_gives_same_digest(
     first_run, tmp_path, config_file, repo_root_module, python_module, env_module
 ):
-    _train(python_module, env_module, repo_root_module, config_file, tmp_path)
+    run_train(config_file, tmp_path, env=env_module)
     a = json.loads((first_run / "summary.json").read_text())["model_digest"]
     b = json.loads((tmp_path / "summary.json").read_text())["model_digest"]
     assert a == b
@@ -152,7 +140,7 @@ def test_killed_run_resumes_to_the_same_digest(
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert marker.exists() and not (tmp_path / "summary.json").exists(), "the kill must land mid-run"
-    resumed = _train(python_module, env_module, repo_root_module, config_file, tmp_path, "--resume", *extra)
+    resumed = run_train(config_file, tmp_path, "--resume", *extra, env=env_module)
     assert "resumed from" in resumed.stderr
     a = json.loads((first_run / "summary.json").read_text())["model_digest"]
     b = json.loads((tmp_path / "summary.json").read_text())["model_digest"]

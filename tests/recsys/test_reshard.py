@@ -10,31 +10,16 @@ Two tables are tiered and two are plain, so both paths are exercised.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.recsys.tiny import tiny_config
+from tests.recsys.tiny import run_train, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
 
 CONFIG = tiny_config(train={"steps": 40, "checkpoint_every": 20}, store={"tables": ["cat_0", "cat_2"]})
-
-
-def _train(config: Path, out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "recsys", "train", "--config", str(config), "--out", str(out), *extra],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def _summary(out: Path) -> dict:
@@ -55,10 +40,10 @@ def test_restore_onto_another_world_size_keeps_the_model(sharding, before, after
     config.write_text(CONFIG)
     out = tmp_path / "run"
     shard = ("--set", f"sparse.sharding={sharding}")
-    _train(config, out, cli_env, "--nproc", str(before), *shard)
+    run_train(config, out, "--nproc", str(before), *shard, env=cli_env)
     saved = _summary(out)
     assert saved["world_size"] == before and saved["steps"] == STEPS
-    resumed = _train(config, out, cli_env, "--resume", "--nproc", str(after), *shard)
+    resumed = run_train(config, out, "--resume", "--nproc", str(after), *shard, env=cli_env)
     assert f"re-partitioned a checkpoint of {before} ranks onto {after}" in resumed.stderr
     restored = _summary(out)
     assert restored["world_size"] == after
