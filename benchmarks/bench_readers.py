@@ -7,13 +7,15 @@
 The file is generated under /tmp in the exact Criteo layout (empty fields, negative counts, 8-digit hex
 ids ≥ 2**31) and deleted afterwards. Both readers parse everything: ours into the trainer's columns (int64
 ids, log-transformed float32 counts, float32 labels); pyarrow into int64 counts and string categoricals
-(it cannot parse hexadecimal), with its default threads. The page cache is warmed first so both read from
-memory. The last line is JSON with the ratios.
+(it cannot parse hexadecimal), with its default threads. Ours runs as the trainer runs it (parser
+processes for a file this big) and, for reference, with parser threads ("threads"). The page cache is
+warmed first so both read from memory. The last line is JSON with the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -28,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recsys.data.criteo import parse_criteo  # noqa: E402
+from recsys.data.criteo import CriteoParser  # noqa: E402
 from recsys.data.sources import TextSource  # noqa: E402
 from recsys.data.text import OnError  # noqa: E402
 
@@ -73,17 +75,22 @@ def _warm(path: Path) -> None:
 CHUNK_KIB: int | None = None  # --chunk-kib; None: the reader's default
 
 
-def _source(path: Path, workers: int) -> TextSource:
-    def parse(data: bytes, first: int, issues):  # noqa: ANN001, ANN202
-        return parse_criteo(data, first_line=first, has_label=True, issues=issues), None
-
+def _source(path: Path, workers: int, processes: bool | str = "auto") -> TextSource:
     extra = {} if CHUNK_KIB is None else {"chunk_bytes": CHUNK_KIB << 10}
-    return TextSource([path], parse, header=False, on_error=OnError.RAISE, workers=workers, **extra)
+    return TextSource(
+        [path],
+        CriteoParser(),
+        header=False,
+        on_error=OnError.RAISE,
+        workers=workers,
+        processes=processes,
+        **extra,
+    )
 
 
-def read_ours(path: Path, workers: int) -> tuple[int, float]:
+def read_ours(path: Path, workers: int, processes: bool | str = "auto") -> tuple[int, float]:
     t0 = time.perf_counter()
-    rows = sum(b.num_rows for b in _source(path, workers).blocks())
+    rows = sum(b.num_rows for b in _source(path, workers, processes).blocks())
     return rows, time.perf_counter() - t0
 
 
@@ -104,12 +111,30 @@ def read_pyarrow(path: Path) -> tuple[int, float]:
     return table.num_rows, time.perf_counter() - t0
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+def _cpu_seconds() -> float:
+    """CPU time of this process's threads and of its ended child processes (our parser processes)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _rss_mb(pid: int | str = "self") -> float:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:  # the process has just ended
+        return 0.0
     return float("nan")
+
+
+def _tree_rss_mb() -> float:
+    """RSS of this process plus its child processes (the parser workers; shared pages count in each)."""
+    kids: list[str] = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            kids += (task / "children").read_text().split()
+    return _rss_mb() + sum(_rss_mb(k) for k in kids)
 
 
 def compare(args: argparse.Namespace) -> dict[str, object]:
@@ -123,11 +148,12 @@ def compare(args: argparse.Namespace) -> dict[str, object]:
         for _ in range(args.repeat):
             for name, fn in (
                 ("ours", lambda: read_ours(path, args.workers)),
+                ("threads", lambda: read_ours(path, args.workers, processes=False)),
                 ("pyarrow", lambda: read_pyarrow(path)),
             ):
-                cpu0 = time.process_time()  # all threads of this process
+                cpu0 = _cpu_seconds()
                 rows, secs = fn()
-                cpu = time.process_time() - cpu0
+                cpu = _cpu_seconds() - cpu0
                 assert rows == lines, (name, rows, lines)
                 best[name] = max(best.get(name, 0.0), rows / secs)
                 best_cpu[name] = max(best_cpu.get(name, 0.0), rows / cpu)
@@ -144,6 +170,8 @@ def compare(args: argparse.Namespace) -> dict[str, object]:
             "pyarrow_rows_per_s": round(best["pyarrow"]),
             "ours_over_pyarrow": round(best["ours"] / best["pyarrow"], 3),
             "ours_over_pyarrow_per_cpu_s": round(best_cpu["ours"] / best_cpu["pyarrow"], 3),
+            "threads_rows_per_s": round(best["threads"]),
+            "threads_over_pyarrow": round(best["threads"] / best["pyarrow"], 3),
             "load_avg_1min": os.getloadavg()[0],
         }
     finally:
@@ -166,7 +194,7 @@ def rss(args: argparse.Namespace) -> dict[str, object]:
 
         def sample() -> None:
             while not done.wait(0.25):
-                samples.append((rows_read[0], _rss_mb()))
+                samples.append((rows_read[0], _tree_rss_mb()))
 
         start_rss = _rss_mb()
         sampler = threading.Thread(target=sample, daemon=True)
@@ -184,8 +212,10 @@ def rss(args: argparse.Namespace) -> dict[str, object]:
         deciles = [round(max(by_decile.get(d, [float("nan")])), 1) for d in range(10)]
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"read {lines:,} rows in {secs:.0f} s ({lines / secs:,.0f} rows/s)")
+        tree_peak = max(mb for _, mb in samples)
         print(
-            f"RSS before {start_rss:.0f} MB; max RSS per tenth of the file (MB): {deciles}; process peak {peak:.0f} MB"
+            f"RSS before {start_rss:.0f} MB; max RSS of reader + parser processes per tenth of the file (MB): "
+            f"{deciles}; peak {tree_peak:.0f} MB (reader process alone {peak:.0f} MB)"
         )
         return {
             "mode": "rss",
@@ -194,7 +224,8 @@ def rss(args: argparse.Namespace) -> dict[str, object]:
             "rows_per_s": round(lines / secs),
             "rss_start_mb": round(start_rss, 1),
             "rss_max_per_tenth_mb": deciles,
-            "peak_rss_mb": round(peak, 1),
+            "peak_rss_mb": round(tree_peak, 1),
+            "reader_process_peak_rss_mb": round(peak, 1),
             "first_tenth_over_last_tenth": round(deciles[0] / deciles[-1], 3),
         }
     finally:
@@ -207,7 +238,7 @@ def main() -> None:
         "--rows", type=int, default=1_000_000, help="rows of the comparison file (~270 B each)"
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs per reader; the best is kept")
-    parser.add_argument("--workers", type=int, default=2, help="parser threads of our reader")
+    parser.add_argument("--workers", type=int, default=2, help="parser processes (or threads) of our reader")
     parser.add_argument(
         "--chunk-kib", type=int, default=None, help="bytes per parsed chunk of our reader (default: its own)"
     )

@@ -42,7 +42,15 @@ class Jagged:
     @staticmethod
     def single(ids: np.ndarray) -> Jagged:
         """One id per sample."""
-        return Jagged(np.ascontiguousarray(ids, dtype=np.int64), np.ones(ids.shape[0], dtype=np.int64))
+        out = Jagged(np.ascontiguousarray(ids, dtype=np.int64), np.ones(ids.shape[0], dtype=np.int64))
+        out.__dict__["is_single"] = True  # known: spare the check (cached_property's own slot)
+        return out
+
+    def __reduce__(self) -> tuple[object, tuple[np.ndarray, ...]]:
+        """Pickles (to parser processes and back) leave out the all-ones lengths of single-id rows."""
+        if self.__dict__.get("is_single"):
+            return Jagged.single, (self.values,)
+        return Jagged, (self.values, self.lengths)
 
     @property
     def num_rows(self) -> int:

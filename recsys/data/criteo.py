@@ -11,12 +11,22 @@ value ≥ 2**31 would overflow int32), so the id space of each is 2**32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from recsys.data.block import Block, Jagged
 from recsys.data.text import Fields, Issues, Problems, parse_hex, parse_int, split_fields
 
-__all__ = ["NUM_DENSE", "NUM_SPARSE", "DENSE_NAMES", "SPARSE_NAMES", "parse_criteo", "log_counts"]
+__all__ = [
+    "NUM_DENSE",
+    "NUM_SPARSE",
+    "DENSE_NAMES",
+    "SPARSE_NAMES",
+    "CriteoParser",
+    "parse_criteo",
+    "log_counts",
+]
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -32,38 +42,36 @@ def log_counts(counts: np.ndarray) -> np.ndarray:
 def _parse_columns(f: Fields, first: int, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
     """Counts (N, 13) int64 and ids (N, 26) int64 from the columns starting at ``first``.
 
-    All 13 count columns are converted in one pass (fields stacked column-major), as are the 26 ids.
+    All 13 count columns are converted in one pass (the fields flattened row by row), as are the 26 ids.
     """
     n = f.num_rows
-    dense_cols = np.arange(first, first + NUM_DENSE)
-    sparse_cols = np.arange(first + NUM_DENSE, first + NUM_DENSE + NUM_SPARSE)
 
-    def stacked(cols: np.ndarray) -> Fields:
-        starts = f.starts[:, cols].T.reshape(-1, 1)
-        ends = f.ends[:, cols].T.reshape(-1, 1)
-        return Fields(f.buf, starts, ends, np.tile(f.lines, cols.shape[0]))
+    def flat(lo: int, hi: int) -> Fields:
+        starts = f.starts[:, lo:hi].reshape(-1, 1)
+        ends = f.ends[:, lo:hi].reshape(-1, 1)
+        return f.columns(starts, ends, np.repeat(f.lines, hi - lo))
 
-    counts, _ = parse_int(
-        stacked(dense_cols), 0, name="I", problems=_Stacked(problems, f, dense_cols, DENSE_NAMES)
-    )
-    ids, _ = parse_hex(
-        stacked(sparse_cols), 0, name="C", problems=_Stacked(problems, f, sparse_cols, SPARSE_NAMES)
-    )
-    return counts.reshape(NUM_DENSE, n).T, ids.reshape(NUM_SPARSE, n).T
+    dense, sparse = (first, first + NUM_DENSE), (first + NUM_DENSE, first + NUM_DENSE + NUM_SPARSE)
+    counts, _ = parse_int(flat(*dense), 0, name="I", problems=_Flat(problems, f, dense, DENSE_NAMES))
+    ids, _ = parse_hex(flat(*sparse), 0, name="C", problems=_Flat(problems, f, sparse, SPARSE_NAMES))
+    return counts.reshape(n, NUM_DENSE), ids.reshape(n, NUM_SPARSE)
 
 
-class _Stacked:
-    """Maps problems found in stacked columns back to (row, named column) for the message."""
+class _Flat:
+    """Maps problems found in flattened columns ``[lo, hi)`` back to (row, named column) for the message."""
 
-    def __init__(self, problems: Problems, f: Fields, cols: np.ndarray, names: list[str]) -> None:
+    def __init__(self, problems: Problems, f: Fields, cols: tuple[int, int], names: list[str]) -> None:
         self.problems, self.f, self.cols, self.names = problems, f, cols, names
 
-    def add(self, _stack: Fields, _col: int, bad: np.ndarray, reason: str) -> None:
-        per_col = bad.reshape(self.cols.shape[0], self.f.num_rows)
+    def add(self, _flat: Fields, _col: int, bad: np.ndarray, reason: str) -> None:
+        lo, hi = self.cols
+        per_col = bad.reshape(self.f.num_rows, hi - lo)
         what = reason.split(": ", 1)[1]
-        for k in np.flatnonzero(per_col.any(axis=1)):
-            col = int(self.cols[k])
-            self.problems.add(self.f, col, per_col[k], f"field {self.names[k]!r} (column {col + 1}): {what}")
+        for k in np.flatnonzero(per_col.any(axis=0)):
+            col = lo + int(k)
+            self.problems.add(
+                self.f, col, per_col[:, k], f"field {self.names[k]!r} (column {col + 1}): {what}"
+            )
 
 
 def parse_criteo(data: bytes, *, first_line: int, has_label: bool, issues: Issues) -> Block:
@@ -84,3 +92,13 @@ def parse_criteo(data: bytes, *, first_line: int, has_label: bool, issues: Issue
     )
     keep = problems.resolve(f.lines, issues)
     return block if keep is None else block.take(np.flatnonzero(keep))
+
+
+@dataclass(frozen=True)
+class CriteoParser:
+    """:func:`parse_criteo` as a text source's chunk parser (picklable, so it can parse in processes)."""
+
+    has_label: bool = True
+
+    def __call__(self, data: bytes, first: int, issues: Issues) -> tuple[Block, None]:
+        return parse_criteo(data, first_line=first, has_label=self.has_label, issues=issues), None

@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from recsys.data.batch import Batch
 from recsys.data.block import Block, Jagged
-from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, parse_criteo
+from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
 from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource, rebatch
 from recsys.data.spec import DatasetSpec, Format, JoinSpec
 from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
@@ -33,6 +34,29 @@ from recsys.errors import UserError
 __all__ = ["ArrayDataset", "SpecDataset", "train_batches_of", "eval_batches_of"]
 
 log = logging.getLogger("recsys")
+
+
+@dataclass(frozen=True)
+class TextParser:
+    """A chunk of column-mapped delimited text (CSV/TSV, RecBole) → a block (picklable: module level)."""
+
+    spec: DatasetSpec
+    delimiter: bytes
+    columns: list[str]
+    sides: list[SideTable]
+
+    def __call__(self, data: bytes, first: int, issues: Issues) -> tuple[Block, np.ndarray | None]:
+        fields = split_fields(
+            data, delimiter=self.delimiter, num_fields=len(self.columns), first_line=first, issues=issues
+        )
+        table = TextTable(fields, self.columns)
+        problems = Problems(fields.num_rows)
+        block, order = to_block(table, self.spec, self.sides, problems)
+        keep = problems.resolve(fields.lines, issues)
+        if keep is None:
+            return block, order
+        idx = np.flatnonzero(keep)
+        return block.take(idx), (None if order is None else order[idx])
 
 
 def _local(rank: int, world_size: int, rows: int) -> tuple[int, int]:
@@ -314,12 +338,8 @@ class SpecDataset:
     def _source(self, files: list[Path], rows: tuple[int, int | None] = (0, None)) -> RowSource:
         spec = self.spec
         if spec.format is Format.CRITEO_TSV:
-            has_label = spec.read.has_label
-
-            def parse_chunk(data: bytes, first: int, issues: Issues) -> tuple[Block, None]:
-                return parse_criteo(data, first_line=first, has_label=has_label, issues=issues), None
-
-            return TextSource(files, parse_chunk, header=False, on_error=self.on_error, lines=rows)
+            parse = CriteoParser(spec.read.has_label)
+            return TextSource(files, parse, header=False, on_error=self.on_error, lines=rows)
         if spec.format is Format.TORCHREC_NPY:
             return NpySource(files, rows=rows)
         if spec.format is Format.PARQUET:
@@ -343,20 +363,8 @@ class SpecDataset:
         delimiter = self._delimiter()
         columns = self._column_names(files[0], delimiter)
 
-        def parse_text(data: bytes, first: int, issues: Issues) -> tuple[Block, np.ndarray | None]:
-            fields = split_fields(
-                data, delimiter=delimiter, num_fields=len(columns), first_line=first, issues=issues
-            )
-            table = TextTable(fields, columns)
-            problems = Problems(fields.num_rows)
-            block, order = to_block(table, spec, self._sides, problems)
-            keep = problems.resolve(fields.lines, issues)
-            if keep is None:
-                return block, order
-            idx = np.flatnonzero(keep)
-            return block.take(idx), (None if order is None else order[idx])
-
-        return TextSource(files, parse_text, header=self.spec.read.header, on_error=self.on_error, lines=rows)
+        parse = TextParser(spec, delimiter, columns, self._sides)
+        return TextSource(files, parse, header=self.spec.read.header, on_error=self.on_error, lines=rows)
 
     def _delimiter(self) -> bytes:
         return self.spec.read.delimiter.encode() if self.spec.format is not Format.RECBOLE else b"\t"

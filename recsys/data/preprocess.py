@@ -16,19 +16,16 @@ import numpy as np
 from tqdm import tqdm
 
 from recsys.data.block import Block
-from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, parse_criteo
+from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
 from recsys.data.sources import TextSource
-from recsys.data.text import Issues, OnError
+from recsys.data.text import OnError
 from recsys.errors import UserError
 
 __all__ = ["criteo_tsv_to_npy", "write_npy"]
 
 
 def _criteo_source(path: Path, on_error: OnError, has_label: bool) -> TextSource:
-    def parse_chunk(data: bytes, first: int, issues: Issues) -> tuple[Block, None]:
-        return parse_criteo(data, first_line=first, has_label=has_label, issues=issues), None
-
-    return TextSource([path], parse_chunk, header=False, on_error=on_error)
+    return TextSource([path], CriteoParser(has_label), header=False, on_error=on_error)
 
 
 def write_npy(

@@ -1,13 +1,14 @@
 """Row sources: one pass over a split's rows as a stream of :class:`Block`, with bounded memory.
 
 A source knows how many rows it has and can start a pass after any number of rows (the data position
-of a resumed run). Text is read in chunks of whole lines and parsed by a small pool of threads (numpy
-releases the GIL), results kept in file order; npy files are memory-mapped; Parquet is read by row
-group; small data sets live in memory.
+of a resumed run). Text is read in chunks of whole lines and parsed ahead by a small pool of worker
+processes (big files) or threads, results kept in file order; npy files are memory-mapped; Parquet is
+read by row group; small data sets live in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,6 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from recsys.data.block import Block, Jagged
+from recsys.data.parallel import ProcessParsePool, picklable, process_pool_available
 from recsys.data.text import Issues, OnError, count_lines, iter_chunks, log_issues
 from recsys.errors import UserError
 
@@ -38,7 +40,13 @@ class TextSource:
 
     In the default ``raise`` mode every data line is a row, so skipping rows is counting newlines; with
     ``skip`` malformed lines are dropped and counted, and rows are counted by parsing.
+
+    ``workers`` parse ahead of the reader, in processes (:mod:`recsys.data.parallel`) or threads:
+    ``processes = "auto"`` uses processes for passes over at least :data:`PROCESS_MIN_BYTES` of text
+    when the parser can be pickled (a module-level function or object), threads otherwise.
     """
+
+    PROCESS_MIN_BYTES = 64 << 20  # smaller passes are not worth starting processes for
 
     def __init__(
         self,
@@ -48,16 +56,20 @@ class TextSource:
         header: bool,
         on_error: OnError,
         lines: tuple[int, int | None] = (0, None),
-        chunk_bytes: int = 512 << 10,
+        chunk_bytes: int | None = None,
         workers: int = 2,
+        processes: bool | str = "auto",
     ) -> None:
+        if processes not in (True, False, "auto"):
+            raise ValueError(f"processes must be True, False or 'auto', got {processes!r}")
         self.files = files
         self.parse = parse
         self.header = header
         self.on_error = on_error
         self.lo, self.hi = lines
-        self.chunk_bytes = chunk_bytes
+        self._chunk_bytes = chunk_bytes
         self.workers = workers
+        self.processes = processes
         self.issues = {str(p): Issues(str(p), on_error) for p in files}
         self._line_counts: list[int] | None = None
         self._rows: int | None = None
@@ -80,7 +92,7 @@ class TextSource:
                 self._rows = sum(b.num_rows for b in self.blocks())
         return self._rows
 
-    def _chunks(self, lo: int, hi: int | None) -> Iterator[tuple[Path, bytes, int]]:
+    def _chunks(self, lo: int, hi: int | None, chunk_bytes: int) -> Iterator[tuple[Path, bytes, int]]:
         """Data lines [lo, hi) of the file sequence, as (file, chunk of whole lines, first line number)."""
         base = 0
         for k, path in enumerate(self.files):
@@ -92,7 +104,7 @@ class TextSource:
                 continue
             skip = max(0, lo - base)
             left = None if hi is None else min(hi, base + count) - base - skip  # type: ignore[operator]
-            for data, first in iter_chunks(path, chunk_bytes=self.chunk_bytes, skip_lines=skip + self.header):
+            for data, first in iter_chunks(path, chunk_bytes=chunk_bytes, skip_lines=skip + self.header):
                 if left is not None:
                     n = data.count(b"\n")
                     if n >= left:
@@ -106,14 +118,37 @@ class TextSource:
             if count is not None:  # None: reading every file whole, positions are not needed
                 base += count
 
+    def use_processes(self) -> bool:
+        """Whether a pass parses in processes (see the class docstring)."""
+        if self.processes == "auto":
+            big = sum(p.stat().st_size for p in self.files if p.is_file()) >= self.PROCESS_MIN_BYTES
+            return big and process_pool_available() and picklable(self.parse)
+        return bool(self.processes)
+
+    @contextlib.contextmanager
+    def _pool(self, processes: bool, chunk_bytes: int) -> Iterator[Callable[[bytes, int, Issues], Future]]:
+        """``submit(data, first_line, issues) -> Future`` of the parser's result, while the workers live."""
+        if processes:
+            slots = 2 * self.workers + 1  # the reader keeps 2 per worker pending
+            with ProcessParsePool(
+                self.parse, workers=self.workers, chunk_bytes=chunk_bytes, slots=slots
+            ) as procs:
+                yield procs.submit
+        else:
+            with ThreadPoolExecutor(max_workers=self.workers) as threads:
+                yield lambda data, first, issues: threads.submit(self.parse, data, first, issues)
+
     def _parsed(self, lo: int) -> Iterator[tuple[Block, np.ndarray | None]]:
-        """Parsed chunks in file order; ``workers`` threads parse ahead (bounded: 2 chunks per worker)."""
+        """Parsed chunks in file order; ``workers`` parse ahead (bounded: 2 chunks per worker)."""
         current: str | None = None
         for issues in self.issues.values():  # counts describe the latest pass
             issues.counts.clear()
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+        processes = self.use_processes()
+        # Bytes per chunk: 1 MiB for processes (fewer hand-overs), 512 KiB for threads.
+        chunk_bytes = self._chunk_bytes or (1 << 20 if processes else 512 << 10)
+        with self._pool(processes, chunk_bytes) as submit:
             pending: deque[tuple[str, Future]] = deque()
-            chunks = self._chunks(lo, self.hi)
+            chunks = self._chunks(lo, self.hi, chunk_bytes)
             exhausted = False
             while True:
                 while not exhausted and len(pending) < 2 * self.workers:
@@ -122,7 +157,7 @@ class TextSource:
                         exhausted = True
                         break
                     path, data, first = item
-                    pending.append((str(path), pool.submit(self.parse, data, first, self.issues[str(path)])))
+                    pending.append((str(path), submit(data, first, self.issues[str(path)])))
                 if not pending:
                     break
                 path_s, fut = pending.popleft()

@@ -78,6 +78,12 @@ class Issues:
         with self._lock:
             self.counts[reason] += int(lines.size)
 
+    def merge(self, counts: dict[str, int]) -> None:
+        """Add counts found elsewhere (by a parser process) for this file."""
+        if counts:
+            with self._lock:
+                self.counts.update(counts)
+
     @property
     def skipped(self) -> int:
         return sum(self.counts.values())
@@ -91,35 +97,58 @@ class Issues:
 class Fields:
     """Well-formed lines of a chunk: field j of row i is ``buf[starts[i, j]:ends[i, j]]``.
 
-    Shapes: starts, ends (N, C) int64; lines (N,) int64 file line numbers (1-based).
+    Shapes: starts, ends (N, C) int64; lines (N,) int64 file line numbers (1-based). ``shared`` holds
+    what is computed once per chunk (the nibble buffer) for every Fields made from the same ``buf``.
     """
 
     buf: np.ndarray
     starts: np.ndarray
     ends: np.ndarray
     lines: np.ndarray
+    shared: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_rows(self) -> int:
         return int(self.lines.shape[0])
 
     def keep(self, mask: np.ndarray) -> Fields:
-        return Fields(self.buf, self.starts[mask], self.ends[mask], self.lines[mask])
+        return Fields(self.buf, self.starts[mask], self.ends[mask], self.lines[mask], self.shared)
+
+    def columns(self, starts: np.ndarray, ends: np.ndarray, lines: np.ndarray) -> Fields:
+        """Other fields of the same chunk (e.g. columns stacked into one)."""
+        return Fields(self.buf, starts, ends, lines, self.shared)
 
     def text(self, row: int, col: int) -> str:
         raw = self.buf[self.starts[row, col] : self.ends[row, col]].tobytes()
         return raw.decode("utf-8", "replace")
 
+    def nibbles(self) -> np.ndarray:
+        """``buf`` with every byte replaced by its hexadecimal digit value (0..15), other bytes by 0xFF."""
+        nib = self.shared.get("nibbles")
+        if nib is None:
+            raw = self.buf.base if isinstance(self.buf.base, bytes) else self.buf.tobytes()
+            nib = np.frombuffer(raw.translate(_NIBBLE_TABLE), dtype=np.uint8)
+            self.shared["nibbles"] = nib
+        return nib
 
-def _separators(buf: np.ndarray, delimiter: int) -> np.ndarray:
-    """Positions of delimiter and newline bytes in ``buf`` (outside the zero padding)."""
+
+_NIBBLE_TABLE = bytes(
+    c - 48 if 48 <= c <= 57 else c - 87 if 97 <= c <= 102 else c - 55 if 65 <= c <= 70 else 0xFF
+    for c in range(256)
+)
+
+
+def _separators(buf: np.ndarray, delimiter: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of delimiter and newline bytes in ``buf`` (outside the zero padding), and which are newlines."""
     core = buf[PAD : buf.shape[0] - PAD]
     if delimiter == 9:  # tab and newline are the only bytes <= 10 in text: one comparison, not three passes
         sep = np.flatnonzero(core <= NEWLINE)
         found = core[sep]
-        if ((found == 9) | (found == NEWLINE)).all():
-            return sep + PAD
-    return np.flatnonzero((core == NEWLINE) | (core == delimiter)) + PAD
+        is_nl = found == NEWLINE
+        if (is_nl | (found == 9)).all():
+            return sep + PAD, is_nl
+    sep = np.flatnonzero((core == NEWLINE) | (core == delimiter))
+    return sep + PAD, core[sep] == NEWLINE
 
 
 def split_fields(
@@ -136,8 +165,17 @@ def split_fields(
         delimiter = b"\x1f"
     # PAD zero bytes on both sides let the SWAR parsers read 8 bytes around any field.
     buf = np.frombuffer(_ZEROS + data + _ZEROS, dtype=np.uint8)
-    sep = _separators(buf, delimiter[0])  # (S,) positions of delimiters and newlines
-    nl_flag = buf[sep] == NEWLINE
+    sep, nl_flag = _separators(buf, delimiter[0])  # (S,) positions of delimiters and newlines
+    if num_fields > 1 and sep.shape[0] % num_fields == 0:
+        # The common case, checked cheaply: every line has num_fields fields (so none is blank).
+        grid = nl_flag.reshape(-1, num_fields)
+        if grid[:, -1].all() and not grid[:, :-1].any():
+            ends = sep.reshape(-1, num_fields)
+            line_start = np.empty(ends.shape[0], dtype=np.int64)
+            line_start[:1] = PAD
+            line_start[1:] = ends[:-1, -1] + 1
+            line_numbers = first_line + np.arange(ends.shape[0], dtype=np.int64)
+            return _fields(buf, ends, line_start, line_numbers)
     nl_pos = sep[nl_flag]  # (L,) one per line
     num_lines = nl_pos.shape[0]
     line_start = np.empty(num_lines, dtype=np.int64)
@@ -162,6 +200,11 @@ def split_fields(
         ends = sep[good[line_of_sep]].reshape(-1, num_fields)
         line_start = line_start[good]
         line_numbers = line_numbers[good]
+    return _fields(buf, ends, line_start, line_numbers)
+
+
+def _fields(buf: np.ndarray, ends: np.ndarray, line_start: np.ndarray, line_numbers: np.ndarray) -> Fields:
+    """Fields of well-formed lines from their separator positions (``ends``, (N, C)) and line starts."""
     starts = np.empty_like(ends)
     starts[:, 0] = line_start
     starts[:, 1:] = ends[:, :-1] + 1
@@ -231,7 +274,7 @@ def parse_int(f: Fields, col: int, *, name: str, problems: Problems) -> tuple[np
     digits = lens - sign
     short = digits <= 8
     if short.all():
-        value, bad = _swar_decimal(f.buf, f.ends[:, col], digits)
+        value, bad = _swar_decimal(f.nibbles(), f.ends[:, col], digits)
         bad |= sign & (digits == 0)
         problems.add(f, col, bad, f"field {name!r} (column {col + 1}): not an integer")
         return np.where(neg, -value, value), lens == 0
@@ -257,38 +300,32 @@ class _Rows:
         self.problems.add(self.f, col, full, reason)
 
 
-_ASCII_ZEROS = np.uint64(0x3030303030303030)
-_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
-_BIT6 = np.uint64(0x0101010101010101)  # the lowest bit of every byte
-_BIT7 = np.uint64(0x8080808080808080)
 _HIGH_NIBBLES = np.uint64(0xF0F0F0F0F0F0F0F0)
 _SIXES = np.uint64(0x0606060606060606)
 
 
 def _words_ending_at(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """The 8 bytes before each position in ``ends``, as little-endian uint64 (byte 7 = last byte)."""
-    view = np.ndarray(shape=(buf.shape[0] - 7,), dtype="<u8", buffer=buf, strides=(1,))
-    return view[ends - 8]
+    # Gathered as 8-byte opaque items (copied without the unaligned-integer path), then read as integers.
+    view = np.ndarray(shape=(buf.shape[0] - 7,), dtype="V8", buffer=buf, strides=(1,))
+    return view[ends - 8].view("<u8")
 
 
-def _keep_high_bytes(n: np.ndarray) -> np.ndarray:
-    """Masks keeping the top ``n`` (0..8) bytes of a uint64."""
-    shift = (np.uint64(8) * (np.uint64(8) - n.astype(np.uint64))).astype(np.uint64)
-    full = np.uint64(0xFFFFFFFFFFFFFFFF)
-    return np.where(n == 0, np.uint64(0), (full >> shift) << shift)
+# Masks keeping the top n (0..8) bytes of a uint64, by n.
+_KEEP_HIGH = np.array([((1 << 64) - 1) ^ ((1 << (64 - 8 * n)) - 1) for n in range(9)], dtype=np.uint64)
 
 
-def _swar_decimal(buf: np.ndarray, ends: np.ndarray, digits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _swar_decimal(nib: np.ndarray, ends: np.ndarray, digits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Up to 8 decimal digits ending at each of ``ends`` → (values int64, bad bool), 8 digits per word op.
 
-    The field's bytes are right-aligned in a word and padded on the left with ASCII zeros; the classic
-    multiply-and-shift reduction then folds 8 digits into a number in 3 steps.
+    ``nib`` is the chunk's nibble buffer (:meth:`Fields.nibbles`): the field's digit values are
+    right-aligned in a word and padded on the left with zeros; the classic multiply-and-shift reduction
+    then folds 8 digits into a number in 3 steps. A byte is a decimal digit iff its nibble is < 10.
     """
-    keep = _keep_high_bytes(digits)
-    w = (_words_ending_at(buf, ends) & keep) | (_ASCII_ZEROS & ~keep)
-    bad = ((w & _HIGH_NIBBLES) != _ASCII_ZEROS) | (((w + _SIXES) & _HIGH_NIBBLES) != _ASCII_ZEROS)
+    w = _words_ending_at(nib, ends) & _KEEP_HIGH[digits]
+    # Bytes are 0..15 or 0xFF: a high nibble in w (0xFF) or in w + 6 (10..15) marks a non-digit.
+    bad = ((w | (w + _SIXES)) & _HIGH_NIBBLES) != 0
     with np.errstate(over="ignore"):
-        w = w - _ASCII_ZEROS
         w = (w * np.uint64(10)) + (w >> np.uint64(8))
         w = (
             ((w & np.uint64(0x000000FF000000FF)) * np.uint64(100 + (1000000 << 32)))
@@ -297,19 +334,16 @@ def _swar_decimal(buf: np.ndarray, ends: np.ndarray, digits: np.ndarray) -> tupl
     return w.astype(np.int64), bad
 
 
-def _swar_hex8(buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Exactly 8 hexadecimal digits at each of ``starts`` → (values int64 in [0, 2**32), bad bool)."""
-    w = _words_ending_at(buf, starts + 8)
-    nib = (w & _LOW_NIBBLES) + ((w >> np.uint64(6)) & _BIT6) * np.uint64(9)  # byte k = digit k's value
-    # Valid iff every byte re-encodes to itself (lower-cased), its value is < 16, and it has bit 5 or 6.
-    over15 = ((nib + np.uint64(0x7070707070707070)) & _BIT7) != 0
-    above9 = ((nib + _SIXES) >> np.uint64(4)) & _BIT6
-    encoded = nib + _ASCII_ZEROS + above9 * np.uint64(39)
-    letters = ((w & np.uint64(0x6060606060606060)) + np.uint64(0x7F7F7F7F7F7F7F7F)) & _BIT7
-    bad = (encoded != (w | np.uint64(0x2020202020202020))) | over15 | (letters != _BIT7)
+def _swar_hex8(nib: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exactly 8 hexadecimal digits at each of ``starts`` → (values int64 in [0, 2**32), bad bool).
+
+    ``nib`` is the chunk's nibble buffer: byte k of the word is digit k's value, or 0xFF for a non-digit.
+    """
+    w = _words_ending_at(nib, starts + 8)
+    bad = (w & _HIGH_NIBBLES) != 0
     # Fold nibble bytes into the number; digit 0 (lowest byte) is the most significant.
-    t = ((nib & np.uint64(0x00FF00FF00FF00FF)) << np.uint64(4)) | (
-        (nib >> np.uint64(8)) & np.uint64(0x00FF00FF00FF00FF)
+    t = ((w & np.uint64(0x00FF00FF00FF00FF)) << np.uint64(4)) | (
+        (w >> np.uint64(8)) & np.uint64(0x00FF00FF00FF00FF)
     )
     u = ((t & np.uint64(0x000000FF000000FF)) << np.uint64(8)) | (
         (t >> np.uint64(16)) & np.uint64(0x000000FF000000FF)
@@ -352,7 +386,7 @@ def parse_hex(f: Fields, col: int, *, name: str, problems: Problems) -> tuple[np
     starts = f.starts[:, col]
     lens = f.ends[:, col] - starts
     if ((lens == 8) | (lens == 0)).all():  # Criteo: 8 digits or empty
-        value, bad = _swar_hex8(f.buf, starts)
+        value, bad = _swar_hex8(f.nibbles(), starts)
         bad &= lens == 8
         problems.add(f, col, bad, f"field {name!r} (column {col + 1}): not a hexadecimal id")
         return np.where(lens == 0, 0, value), lens == 0
@@ -461,7 +495,7 @@ def hash_tokens(
         tok_start, tok_end = tok_start[keep], tok_end[keep]
     if prefix:
         tok_end = np.minimum(tok_end, tok_start + prefix)
-    token_fields = Fields(f.buf, tok_start[:, None], tok_end[:, None], np.zeros(tok_start.shape[0], np.int64))
+    token_fields = f.columns(tok_start[:, None], tok_end[:, None], np.zeros(tok_start.shape[0], np.int64))
     mat, tlens = _matrix(token_fields, 0)
     return _hash_matrix(mat, tlens), lengths
 
@@ -488,12 +522,13 @@ def iter_chunks(
             block = fh.read(chunk_bytes)
             if not block:
                 break
-            data = tail + block
-            cut = data.rfind(b"\n") + 1
+            cut = block.rfind(b"\n") + 1
             if cut == 0:
-                tail = data
+                tail += block
                 continue
-            data, tail = data[:cut], data[cut:]
+            # One copy at most: the previous partial line joined to this block's whole lines.
+            data = tail + memoryview(block)[:cut] if tail or cut < len(block) else block
+            tail = block[cut:]
             if skip_lines:
                 n = data.count(b"\n")
                 if n <= skip_lines:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from recsys.cli import main
-from recsys.data.criteo import parse_criteo
+from recsys.data.criteo import CriteoParser, parse_criteo
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.sources import TextSource
 from recsys.data.synthetic import SyntheticConfig
@@ -69,11 +69,9 @@ def test_chunked_and_gzip_streams_match_oracle(criteo_file, tmp_path, chunk_byte
     gz = tmp_path / "day_0.gz"
     gz.write_bytes(gzip.compress(path.read_bytes()))
     for f in (path, gz):
-
-        def parse(data, first, issues):
-            return parse_criteo(data, first_line=first, has_label=True, issues=issues), None
-
-        source = TextSource([f], parse, header=False, on_error=OnError.RAISE, chunk_bytes=chunk_bytes)
+        source = TextSource(
+            [f], CriteoParser(), header=False, on_error=OnError.RAISE, chunk_bytes=chunk_bytes
+        )
         blocks = list(source.blocks())
         assert len(blocks) > 1 or chunk_bytes > 10**5
         from recsys.data.block import Block

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from recsys.data.source import DataConfig, build_dataset
+from recsys.data.sources import TextSource
 from recsys.data.synthetic import SyntheticConfig
 from recsys.data.text import MalformedInputError, OnError
 from recsys.errors import UserError
@@ -52,8 +53,16 @@ def _load(tmp_path, lines, on_error="raise"):
     return ds
 
 
+@pytest.fixture(params=["threads", "processes"])
+def parse_in(request, monkeypatch):
+    """Parse in threads, or in worker processes (as for big files)."""
+    if request.param == "processes":
+        monkeypatch.setattr(TextSource, "PROCESS_MIN_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize(("bad", "message"), CASES)
-def test_default_is_one_line_naming_file_line_and_field(tmp_path, bad, message):
+def test_default_is_one_line_naming_file_line_and_field(tmp_path, bad, message, parse_in):
     lines, _ = _with_bad_line(17, bad)
     ds = _load(tmp_path, lines)
     with pytest.raises(MalformedInputError) as info:
@@ -62,7 +71,7 @@ def test_default_is_one_line_naming_file_line_and_field(tmp_path, bad, message):
     assert isinstance(info.value, UserError) and "\n" not in str(info.value)  # the CLI prints it, exit 2
 
 
-def test_skip_mode_drops_counts_and_reports_why(tmp_path, caplog):
+def test_skip_mode_drops_counts_and_reports_why(tmp_path, caplog, parse_in):
     good = criteo_lines(40, seed=7)
     lines = list(good)
     for k, (bad, _) in enumerate(CASES):
@@ -78,6 +87,7 @@ def test_skip_mode_drops_counts_and_reports_why(tmp_path, caplog):
         assert b.dense[i].tolist() == dense and b.labels[i].item() == y
         assert [int(v) for v in b.sparse.values().view(26, 40)[:, i]] == ids
     source = ds.train_source
+    assert source.use_processes() == (parse_in == "processes")
     assert source.num_rows() == 40 and source.skipped == len(CASES)
     counts = source.issues[str(tmp_path / "day_0")].counts
     assert counts["empty line"] == 1 and counts["expected 40 fields"] == 2
