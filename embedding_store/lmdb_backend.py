@@ -17,6 +17,7 @@ import ctypes
 import errno
 import json
 import mmap
+import operator
 import os
 import sys
 import threading
@@ -48,8 +49,17 @@ _CORRUPT = (
 
 def encode_keys(ids: np.ndarray) -> list[bytes]:
     """(N,) int64 ids >= 0 -> N 8-byte big-endian keys (LMDB's byte order = ascending id order)."""
-    buf = np.ascontiguousarray(ids, dtype=">u8").tobytes()
-    return [buf[i : i + 8] for i in range(0, len(buf), 8)]
+    # Opaque 8-byte items become bytes objects in numpy's C loop: no Python loop over ids.
+    return np.ascontiguousarray(ids, dtype=">u8").view("V8").tolist()
+
+
+def _row_values(rows: np.ndarray, row_bytes: int) -> list[bytes]:
+    """(N, R) float32 rows -> N values of ``row_bytes`` bytes each (made in numpy's C loop)."""
+    flat = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1)
+    return flat.view(f"V{row_bytes}").tolist() if flat.size else []
+
+
+_KEY, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def _map_error(err: lmdb.Error, what: str) -> StoreError:
@@ -225,14 +235,14 @@ class LmdbBackend:
                 pairs = txn.cursor().getmulti(keys)
         except lmdb.Error as err:
             raise _map_error(err, f"read of table {table!r} failed") from err
-        val_buf = b"".join([v for _, v in pairs])
+        val_buf = b"".join(map(_VALUE, pairs))
         if len(val_buf) != len(pairs) * row_bytes:
             raise StoreCorruptError(f"table {table!r}: rows of unexpected size (want {row_bytes} bytes each)")
         self._count_read(ids.shape[0])
         if len(pairs) == ids.shape[0]:
             found[:] = True
         else:
-            found_ids = np.frombuffer(b"".join([k for k, _ in pairs]), dtype=">u8").astype(np.int64)  # (F,)
+            found_ids = np.frombuffer(b"".join(map(_KEY, pairs)), dtype=">u8").astype(np.int64)  # (F,)
             found[np.searchsorted(ids, found_ids)] = True
         return found, np.frombuffer(val_buf, dtype=np.float32).reshape(len(pairs), row_bytes // 4)
 
@@ -286,8 +296,7 @@ class LmdbBackend:
         for table, ids, rows in writes:
             row_bytes = self._row_bytes[table]
             need_bytes += ids.shape[0] * (8 + row_bytes)
-            buf = memoryview(np.ascontiguousarray(rows, dtype=np.float32).tobytes())
-            values = [buf[i : i + row_bytes] for i in range(0, len(buf), row_bytes)]
+            values = _row_values(rows, row_bytes)
             items.append((self._dbs[table], list(zip(encode_keys(ids), values, strict=True))))
         while True:
             try:
