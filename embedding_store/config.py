@@ -134,6 +134,11 @@ class LmdbOptions:
             transaction holds every page it dirties in memory until commit — up to one 4 KiB page per
             row for random keys — so this bounds the writer's memory (32k rows: <= 128 MiB).
         writer_max_pending_rows: rows that may wait for the writer before callers block (memory bound).
+        writer_min_batch_rows: rows the writer gathers before it starts a transaction (default: half of
+            ``writer_batch_rows``). Random-key transactions cost mostly the B-tree pages they copy, so
+            gathering several steps' evictions into one costs ~3x less CPU per row than one per step.
+            Rows waiting stay readable; ``flush()`` and checkpoints commit them at once.
+        writer_linger_s: the longest an evicted row waits for others before a transaction starts.
         unmap_every_rows: LMDB reads through a read-only mmap, so every page it touches counts toward
             this process's RSS (as page cache, reclaimable, but visible). After this many rows read or
             written, the backend drops the mapping's page-table entries (``MADV_DONTNEED``; the page
@@ -150,6 +155,8 @@ class LmdbOptions:
     readahead: bool = False
     writer_batch_rows: int = 1 << 15
     writer_max_pending_rows: int = 1 << 19
+    writer_min_batch_rows: int | None = None
+    writer_linger_s: float = 0.5
     unmap_every_rows: int | None = None
 
     def __post_init__(self) -> None:
@@ -169,6 +176,16 @@ class LmdbOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LmdbOptions.{name} must be a positive int, got {value!r}")
+        if self.writer_min_batch_rows is not None and (
+            not isinstance(self.writer_min_batch_rows, int) or self.writer_min_batch_rows <= 0
+        ):
+            raise ValueError(
+                f"LmdbOptions.writer_min_batch_rows must be None or a positive int, got {self.writer_min_batch_rows!r}"
+            )
+        if not isinstance(self.writer_linger_s, int | float) or not 0 <= self.writer_linger_s <= 60:
+            raise ValueError(
+                f"LmdbOptions.writer_linger_s must be in [0, 60] seconds, got {self.writer_linger_s!r}"
+            )
         if self.unmap_every_rows is not None and (
             not isinstance(self.unmap_every_rows, int) or self.unmap_every_rows <= 0
         ):

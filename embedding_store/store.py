@@ -119,6 +119,8 @@ class TieredStore:
             self._backend,
             batch_rows=config.lmdb.writer_batch_rows,
             max_pending_rows=config.lmdb.writer_max_pending_rows,
+            min_batch_rows=config.lmdb.writer_min_batch_rows or max(1, config.lmdb.writer_batch_rows // 2),
+            linger_s=config.lmdb.writer_linger_s,
         )
         self._tables = {t.name: TieredTable(t, config, self._backend, self._writer) for t in tables}
         self._lock = threading.RLock()

@@ -28,21 +28,40 @@ class _Pending:
     ids: np.ndarray  # (N,) int64, sorted, unique
     rows: np.ndarray  # (N, R) float32
     done: int = 0  # leading rows already committed (a large submission goes in several transactions)
+    submitted: float = 0.0  # time.monotonic() of the submit
 
 
 class WriteBehind:
     """A writer thread in front of an :class:`LmdbBackend` (a context manager).
 
+    The writer lets rows gather before it commits: a transaction starts once ``min_batch_rows`` rows
+    wait, or the oldest has waited ``linger_s``, or someone drains or closes the writer, or submitters
+    are blocked. A transaction's cost is mostly the B-tree pages it copies, so bigger transactions cost
+    less per row (random keys: ~4.5 µs per row at 2.5k rows, ~1.4 µs at 40k).
+
     Args:
         backend: where rows go.
         batch_rows: most rows per transaction.
         max_pending_rows: ``submit`` blocks while more rows than this wait (bounds memory).
+        min_batch_rows: rows to gather before a transaction starts (capped at the two above).
+        linger_s: longest a submitted row waits for others before a transaction starts.
     """
 
-    def __init__(self, backend: LmdbBackend, *, batch_rows: int, max_pending_rows: int) -> None:
+    def __init__(
+        self,
+        backend: LmdbBackend,
+        *,
+        batch_rows: int,
+        max_pending_rows: int,
+        min_batch_rows: int = 1,
+        linger_s: float = 0.0,
+    ) -> None:
         self._backend = backend
         self._batch_rows = batch_rows
         self._max_pending_rows = max_pending_rows
+        self._start_rows = max(1, min(min_batch_rows, batch_rows, max_pending_rows))
+        self._linger_s = linger_s
+        self._drains = 0  # callers waiting in drain(): commit at once
         self._cond = threading.Condition()
         self._pending: deque[_Pending] = deque()  # oldest first; committed entries leave from the left
         self._pending_rows = 0
@@ -78,7 +97,7 @@ class WriteBehind:
             self.check()
             if self._stop:
                 raise StoreError("writer is closed")
-            self._pending.append(_Pending(table, ids, rows))
+            self._pending.append(_Pending(table, ids, rows, submitted=time.monotonic()))
             self._pending_rows += ids.shape[0]
             self._cond.notify_all()
 
@@ -111,13 +130,31 @@ class WriteBehind:
     def drain(self) -> None:
         """Block until everything submitted so far is committed."""
         with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or not self._pending)
+            self._drains += 1
+            self._cond.notify_all()
+            try:
+                self._cond.wait_for(lambda: self._error is not None or not self._pending)
+            finally:
+                self._drains -= 1
             self.check()
+
+    def _wait_for_work(self) -> None:
+        """Under the lock: wait until a transaction should start (see the class docstring), or stop."""
+        while not self._stop:
+            if self._pending:
+                if self._drains or self._pending_rows >= self._start_rows:
+                    return
+                wait = self._pending[0].submitted + self._linger_s - time.monotonic()
+                if wait <= 0:
+                    return
+                self._cond.wait(wait)
+            else:
+                self._cond.wait()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stop or len(self._pending) > self._in_flight)
+                self._wait_for_work()
                 if not self._pending:
                     return  # stopped and drained
                 batch: list[_Pending] = []  # slices of the leftmost entries, at most batch_rows rows

@@ -47,3 +47,56 @@ def test_a_large_submission_commits_in_bounded_transactions_and_stays_readable(t
     found, got = backend.get_rows("t", ids)
     assert found.all() and np.array_equal(got, want)  # the newer rows won
     backend.close()
+
+
+def _batches(n: int, size: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    ids = np.unique(rng.integers(0, 1 << 40, size=n * size * 2))[: n * size]
+    rng.shuffle(ids)
+    return [
+        (np.sort(part), rng.standard_normal((size, 4)).astype(np.float32)) for part in ids.reshape(n, size)
+    ]
+
+
+def test_small_evictions_gather_into_one_transaction_until_drained(tmp_path) -> None:
+    spec = TableSpec(name="t", dim=4, optimizer=OptimizerKind.EXACT_SGD)
+    backend = _Recording(tmp_path / "env", options=LmdbOptions(), seed=0, tables=[spec])
+    backend.release.set()
+    parts = _batches(5, 100)
+    with WriteBehind(
+        backend, batch_rows=10_000, max_pending_rows=1 << 20, min_batch_rows=1000, linger_s=60
+    ) as writer:
+        for ids, rows in parts:
+            writer.submit("t", ids, rows)
+        threading.Event().wait(0.3)
+        assert backend.txn_rows == [] and writer.pending_rows == 500  # gathering: below 1000, no linger yet
+        found, got = writer.lookup("t", parts[2][0])
+        assert found.all() and np.array_equal(got, parts[2][1])  # and readable meanwhile
+        writer.drain()  # a flush does not wait for the linger
+        assert backend.txn_rows == [500] and writer.pending_rows == 0
+        for ids, rows in _batches(11, 100, seed=2):
+            writer.submit("t", ids, rows)
+        writer.drain()
+    assert backend.txn_rows[1] >= 1000  # the threshold started the next transaction, not each submit
+    assert sum(backend.txn_rows) == 1600
+    for ids, rows in parts:
+        found, got = backend.get_rows("t", ids)
+        assert found.all() and np.array_equal(got, rows)
+    backend.close()
+
+
+def test_a_lingering_row_is_committed_without_a_drain(tmp_path) -> None:
+    spec = TableSpec(name="t", dim=4, optimizer=OptimizerKind.EXACT_SGD)
+    backend = _Recording(tmp_path / "env", options=LmdbOptions(), seed=0, tables=[spec])
+    backend.release.set()
+    ((ids, rows),) = _batches(1, 10)
+    with WriteBehind(
+        backend, batch_rows=10_000, max_pending_rows=1 << 20, min_batch_rows=1000, linger_s=0.2
+    ) as writer:
+        writer.submit("t", ids, rows)
+        for _ in range(100):  # up to 5 s
+            if backend.txn_rows:
+                break
+            threading.Event().wait(0.05)
+        assert backend.txn_rows == [10] and writer.pending_rows == 0
+    backend.close()
