@@ -19,7 +19,12 @@ Experiments (each prints its runs, then a summary line):
    (counted from the data) and the device tier ~6 batches, so LMDB is read and written every step:
    pipelined vs ``pipeline.mode=sequential`` (both tiered), and pipelined vs untiered (in memory, same
    data, ids not folded). ``pipelined_vs_sequential_overlap_bound`` is the speed-up perfect overlap on
-   two cores would give, from the sequential runs' own stage times: (tier + compute) / max(tier, compute).
+   two cores would give, from the sequential runs' own stage times: (tier + compute) / max(tier, compute);
+   ``pipelined_vs_sequential_cpu_bound`` the speed-up the CPU allows at all: the sequential step over its
+   CPU time per step (all threads, the LMDB writer included) spread over the cores at the measured
+   ``two_thread_speedup``. Each run
+   prints ``thread_cpu_ms_per_step``: CPU per step of the training thread, the pipeline's stage threads
+   and the writer.
 3. cold: the same tables; a first run fills a store and checkpoints it; then each run resumes from that
    checkpoint after the restored ``data.mdb`` was fsynced and dropped from the page cache
    (``posix_fadvise(POSIX_FADV_DONTNEED)``, checked with ``mincore``), so the first touches of stored
@@ -62,6 +67,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -121,8 +127,6 @@ def two_thread_speedup() -> float:
     """How much faster two threads sort two arrays than one thread sorts both (numpy releases the GIL):
     ~2 on an idle 2-core machine, ~1 when other processes take the second core. Pipelining can only
     overlap stages where this is above 1, so it is printed beside the ratios."""
-    import threading
-
     arrays = [np.random.default_rng(i).random(1_000_000) for i in range(2)]
 
     def work(x: np.ndarray) -> None:
@@ -224,7 +228,8 @@ def train_once(
             prepare(trainer)
         windows = Windows(trainer.step)
         cpu_start = time.process_time()
-        summary = trainer.fit(windows)  # type: ignore[arg-type]
+        with ThreadCpu() as threads:
+            summary = trainer.fit(windows)  # type: ignore[arg-type]
         cpu_s = time.process_time() - cpu_start
         tiers = trainer.tier_stats()
     finally:
@@ -242,6 +247,11 @@ def train_once(
         # CPU seconds of all this process's threads per second of training: > 1 only if stages overlap
         "cores_used": cpu_s / summary["train_seconds"],
         "cpu_ms_per_step": 1e3 * cpu_s * cfg.train.batch_size / max(1, summary["samples"]),
+        # per thread (pipeline stage threads together): where the CPU time of a step goes
+        "thread_cpu_ms_per_step": {
+            k: 1e3 * v * cfg.train.batch_size / max(1, summary["samples"])
+            for k, v in threads.per_name().items()
+        },
         "device_hit_rate": hits / (hits + misses) if hits + misses else None,
         "ssd_rows_read": sum(t["ssd"]["hits"] for t in tiers.values()),
         "ssd_rows_written": sum(t["ssd"]["rows_in"] for t in tiers.values()),
@@ -293,6 +303,54 @@ def overlap_bound(sequential: list[dict[str, Any]]) -> float:
         return (tier + compute) / max(tier, compute)
 
     return statistics.median(one(r) for r in sequential)
+
+
+def cpu_bound(sequential: list[dict[str, Any]], parallelism: float) -> float:
+    """The speed-up no schedule can beat on this machine: the sequential step over the sequential run's
+    CPU time per step (every thread, the writer included) spread over the cores, which together run
+    ``parallelism`` times as fast as one (``two_thread_speedup``: ~1.75 on an idle 2-vCPU machine here,
+    not 2, because two busy threads slow each other down)."""
+    return statistics.median(r["step_s"] * 1e3 / (r["cpu_ms_per_step"] / parallelism) for r in sequential)
+
+
+class ThreadCpu:
+    """CPU seconds of each named thread of this process while it runs (sampled from /proc every 0.1 s, so
+    threads that end keep their last reading)."""
+
+    def __init__(self) -> None:
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._seen: dict[str, tuple[str, float]] = {}  # native thread id -> (name, CPU seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-thread-cpu", daemon=True)
+
+    def _read(self) -> None:
+        names = {str(t.native_id): t.name for t in threading.enumerate()}
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                self._seen[tid] = (names.get(tid, "other"), (int(fields[11]) + int(fields[12])) / self._tick)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self._read()
+
+    def __enter__(self) -> ThreadCpu:
+        self._read()
+        self._start = dict(self._seen)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()
+
+    def per_name(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for tid, (name, cpu) in self._seen.items():
+            name = "tierrec-pipeline" if name.startswith("tierrec-pipeline") else name
+            out[name] = out.get(name, 0.0) + cpu - self._start.get(tid, (name, 0.0))[1]
+        return {k: v for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0.005}
 
 
 # -- experiment 1: the working set fits the device tier --------------------------------------------
@@ -375,6 +433,9 @@ def ssd_bound(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
         "pipelined_vs_sequential_whole_fit": median(runs["pipelined"], "fit_samples_per_s")
         / median(runs["sequential"], "fit_samples_per_s"),
         "pipelined_vs_sequential_overlap_bound": overlap_bound(runs["sequential"]),
+        "pipelined_vs_sequential_cpu_bound": cpu_bound(
+            runs["sequential"], min(float(os.cpu_count() or 1), args.two_thread_speedup)
+        ),
         "ssd_bound_cpu_untiered_vs_tiered": median(runs["untiered"], "cpu_ms_per_step")
         / median(runs["pipelined"], "cpu_ms_per_step"),
         "ssd_bound_cpu_sequential_vs_pipelined": median(runs["sequential"], "cpu_ms_per_step")
@@ -754,6 +815,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     env = init_distributed(threads_per_rank=1)
     speedup_start = two_thread_speedup()
+    args.two_thread_speedup = speedup_start
     emit(
         {
             **machine_info(),
