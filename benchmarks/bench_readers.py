@@ -128,13 +128,23 @@ def _rss_mb(pid: int | str = "self") -> float:
     return float("nan")
 
 
+def _pss_mb(pid: int | str) -> float:
+    """Proportional set size: resident pages, each shared page split among the processes sharing it."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps_rollup") as fh:
+        for line in fh:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def _tree_rss_mb() -> float:
-    """RSS of this process plus its child processes (the parser workers; shared pages count in each)."""
+    """Memory of this process plus its child processes (the parser workers, forked from it): the sum of
+    their proportional set sizes, so pages they share (the libraries, the parent's heap) count once."""
     kids: list[str] = []
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(OSError):
             kids += (task / "children").read_text().split()
-    return _rss_mb() + sum(_rss_mb(k) for k in kids)
+    return _pss_mb("self") + sum(_pss_mb(k) for k in kids)
 
 
 def compare(args: argparse.Namespace) -> dict[str, object]:
@@ -196,7 +206,7 @@ def rss(args: argparse.Namespace) -> dict[str, object]:
             while not done.wait(0.25):
                 samples.append((rows_read[0], _tree_rss_mb()))
 
-        start_rss = _rss_mb()
+        start_rss = _tree_rss_mb()
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         t0 = time.perf_counter()
@@ -214,17 +224,17 @@ def rss(args: argparse.Namespace) -> dict[str, object]:
         print(f"read {lines:,} rows in {secs:.0f} s ({lines / secs:,.0f} rows/s)")
         tree_peak = max(mb for _, mb in samples)
         print(
-            f"RSS before {start_rss:.0f} MB; max RSS of reader + parser processes per tenth of the file (MB): "
-            f"{deciles}; peak {tree_peak:.0f} MB (reader process alone {peak:.0f} MB)"
+            f"PSS before {start_rss:.0f} MB; max PSS of reader + parser processes per tenth of the file (MB): "
+            f"{deciles}; peak {tree_peak:.0f} MB (reader process alone: peak RSS {peak:.0f} MB)"
         )
         return {
             "mode": "rss",
             "file_gb": round(path.stat().st_size / 1e9, 2),
             "rows": lines,
             "rows_per_s": round(lines / secs),
-            "rss_start_mb": round(start_rss, 1),
-            "rss_max_per_tenth_mb": deciles,
-            "peak_rss_mb": round(tree_peak, 1),
+            "pss_start_mb": round(start_rss, 1),
+            "pss_max_per_tenth_mb": deciles,
+            "peak_pss_mb": round(tree_peak, 1),
             "reader_process_peak_rss_mb": round(peak, 1),
             "first_tenth_over_last_tenth": round(deciles[0] / deciles[-1], 3),
         }
