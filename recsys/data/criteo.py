@@ -49,7 +49,8 @@ def _parse_columns(f: Fields, first: int, problems: Problems) -> tuple[np.ndarra
     def flat(lo: int, hi: int) -> Fields:
         starts = f.starts[:, lo:hi].reshape(-1, 1)
         ends = f.ends[:, lo:hi].reshape(-1, 1)
-        return f.columns(starts, ends, np.repeat(f.lines, hi - lo))
+        # Messages name rows of ``f`` (see _Flat): the flattened fields need no line numbers of their own.
+        return f.columns(starts, ends, np.broadcast_to(np.int64(0), (starts.shape[0],)))
 
     dense, sparse = (first, first + NUM_DENSE), (first + NUM_DENSE, first + NUM_DENSE + NUM_SPARSE)
     counts, _ = parse_int(flat(*dense), 0, name="I", problems=_Flat(problems, f, dense, DENSE_NAMES))
@@ -85,9 +86,10 @@ def parse_criteo(data: bytes, *, first_line: int, has_label: bool, issues: Issue
     else:
         label = np.zeros(f.num_rows, dtype=np.int64)
     counts, ids = _parse_columns(f, 1 if has_label else 0, problems)
+    by_feature = np.ascontiguousarray(ids.T)  # one transposing copy; each feature's ids are then a row
     block = Block(
         log_counts(counts),
-        tuple(Jagged.single(ids[:, j]) for j in range(NUM_SPARSE)),
+        tuple(Jagged.single(by_feature[j]) for j in range(NUM_SPARSE)),
         label.astype(np.float32),
     )
     keep = problems.resolve(f.lines, issues)

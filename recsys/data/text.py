@@ -144,9 +144,8 @@ def _separators(buf: np.ndarray, delimiter: int) -> tuple[np.ndarray, np.ndarray
     if delimiter == 9:  # tab and newline are the only bytes <= 10 in text: one comparison, not three passes
         sep = np.flatnonzero(core <= NEWLINE)
         found = core[sep]
-        is_nl = found == NEWLINE
-        if (is_nl | (found == 9)).all():
-            return sep + PAD, is_nl
+        if (found >= 9).all():  # all tabs and newlines (no other control bytes)
+            return sep + PAD, found == NEWLINE
     sep = np.flatnonzero((core == NEWLINE) | (core == delimiter))
     return sep + PAD, core[sep] == NEWLINE
 
