@@ -314,7 +314,7 @@ def cpu_bound(sequential: list[dict[str, Any]], parallelism: float) -> float:
 
 
 class ThreadCpu:
-    """CPU seconds of each named thread of this process while it runs (sampled from /proc every 0.1 s, so
+    """CPU seconds of each named thread of this process while it runs (sampled from /proc every 0.25 s, so
     threads that end keep their last reading)."""
 
     def __init__(self) -> None:
@@ -331,7 +331,7 @@ class ThreadCpu:
                 self._seen[tid] = (names.get(tid, "other"), (int(fields[11]) + int(fields[12])) / self._tick)
 
     def _run(self) -> None:
-        while not self._stop.wait(0.1):
+        while not self._stop.wait(0.25):
             self._read()
 
     def __enter__(self) -> ThreadCpu:
