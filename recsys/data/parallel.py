@@ -23,6 +23,7 @@ import mmap
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 from collections import deque
 from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
@@ -60,6 +61,8 @@ class _Worker:
 
 
 def _init_worker(parse: Any, path: str, size: int, slot_bytes: int, in_bytes: int) -> None:
+    # Ctrl-C reaches the whole process group: the reader stops its workers itself, without their tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # glibc: keep large temporaries on the heap and the heap's top mapped, so that each chunk's arrays
     # reuse memory instead of faulting in fresh pages (a worker's heap stays at a few chunks' size).
     try:
