@@ -117,17 +117,6 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _rss_mb(pid: int | str = "self") -> float:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:  # the process has just ended
-        return 0.0
-    return float("nan")
-
-
 def _pss_mb(pid: int | str) -> float:
     """Proportional set size: resident pages, each shared page split among the processes sharing it."""
     with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps_rollup") as fh:

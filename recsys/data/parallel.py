@@ -117,7 +117,6 @@ class ProcessParsePool:
     def __init__(self, parse: Any, *, workers: int, chunk_bytes: int, slots: int) -> None:
         self.in_bytes = chunk_bytes * 2  # a chunk is chunk_bytes plus the previous chunk's partial line
         self.slot_bytes = self.in_bytes + chunk_bytes * 6
-        self.slots = slots
         self._fd = os.memfd_create("tierrec-parse")
         size = self.slot_bytes * slots
         os.ftruncate(self._fd, size)

@@ -132,10 +132,13 @@ class Fields:
         return nib
 
 
+# Byte -> hexadecimal digit value (0..15), 0xFF for any other byte: as bytes.translate's table, and as
+# a numpy lookup table for the per-byte slow paths.
 _NIBBLE_TABLE = bytes(
     c - 48 if 48 <= c <= 57 else c - 87 if 97 <= c <= 102 else c - 55 if 65 <= c <= 70 else 0xFF
     for c in range(256)
 )
+_HEX = np.frombuffer(_NIBBLE_TABLE, dtype=np.uint8)
 
 
 def _separators(buf: np.ndarray, delimiter: int) -> tuple[np.ndarray, np.ndarray]:
@@ -371,13 +374,6 @@ def _parse_int_slow(f: Fields, col: int, *, name: str, problems: Problems | _Row
         take = in_field[:, k] & is_digit[:, k]
         value = np.where(take, value * 10 + digits[:, k], value)
     return np.where(mat[:, 0] == 45, -value, value)
-
-
-_HEX = np.full(256, 255, dtype=np.uint8)
-for _i, _c in enumerate(b"0123456789abcdef"):
-    _HEX[_c] = _i
-for _i, _c in enumerate(b"ABCDEF"):
-    _HEX[_c] = 10 + _i
 
 
 def parse_hex(f: Fields, col: int, *, name: str, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
