@@ -117,6 +117,13 @@ def _worker(local_rank: int, nproc: int, port: int, config: object, out: Path, r
         run(config, out, resume=resume)  # type: ignore[arg-type]
     except UserError:
         sys.exit(EXIT_USAGE)  # recorded by run(); the parent prints the first rank's message
+    # The run is finished: its files are written, its stores closed and its process groups destroyed.
+    # Leave without the interpreter's teardown, in which gloo's threads, still holding work objects,
+    # now and then abort a finished worker ("terminate called without an active exception", SIGABRT).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _report_first_failure(out: Path) -> int | None:
