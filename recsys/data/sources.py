@@ -104,9 +104,8 @@ class TextSource:
                 continue
             skip = max(0, lo - base)
             left = None if hi is None else min(hi, base + count) - base - skip  # type: ignore[operator]
-            for data, first in iter_chunks(path, chunk_bytes=chunk_bytes, skip_lines=skip + self.header):
+            for data, first, n in iter_chunks(path, chunk_bytes=chunk_bytes, skip_lines=skip + self.header):
                 if left is not None:
-                    n = data.count(b"\n")
                     if n >= left:
                         if left:
                             at = int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)[left - 1])

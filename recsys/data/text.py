@@ -33,6 +33,7 @@ __all__ = [
     "split_fields",
     "iter_chunks",
     "count_lines",
+    "count_newlines",
     "Problems",
     "parse_int",
     "parse_hex",
@@ -502,13 +503,21 @@ def _open(path: Path):  # noqa: ANN202 - a binary file object
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115
 
 
+def count_newlines(data: bytes | memoryview) -> int:
+    """Newline bytes in ``data``: a numpy comparison per MiB, several times faster than ``bytes.count``."""
+    arr = np.frombuffer(data, dtype=np.uint8)
+    step = 1 << 20
+    return sum(int(np.count_nonzero(arr[i : i + step] == NEWLINE)) for i in range(0, arr.shape[0], step))
+
+
 def iter_chunks(
     path: Path, *, chunk_bytes: int = 8 << 20, skip_lines: int = 0
-) -> Iterator[tuple[bytes, int]]:
+) -> Iterator[tuple[bytes, int, int]]:
     """Whole lines of ``path`` in chunks of about ``chunk_bytes``, after the first ``skip_lines`` lines.
 
-    Yields ``(data, first_line)``: ``data`` ends with a newline; ``first_line`` is the 1-based line
-    number of its first line. Memory stays at a few chunks whatever the file size.
+    Yields ``(data, first_line, lines)``: ``data`` ends with a newline; ``first_line`` is the 1-based line
+    number of its first line and ``lines`` how many lines it holds. Memory stays at a few chunks whatever
+    the file size.
     """
     line = 1
     tail = b""
@@ -524,8 +533,8 @@ def iter_chunks(
             # One copy at most: the previous partial line joined to this block's whole lines.
             data = tail + memoryview(block)[:cut] if tail or cut < len(block) else block
             tail = block[cut:]
+            n = count_newlines(data)
             if skip_lines:
-                n = data.count(b"\n")
                 if n <= skip_lines:
                     skip_lines -= n
                     line += n
@@ -533,11 +542,12 @@ def iter_chunks(
                 at = int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == NEWLINE)[skip_lines - 1])
                 data = data[at + 1 :]
                 line += skip_lines
+                n -= skip_lines
                 skip_lines = 0
-            yield data, line
-            line += data.count(b"\n")
+            yield data, line, n
+            line += n
     if tail and not skip_lines:
-        yield tail + b"\n", line
+        yield tail + b"\n", line, 1
 
 
 def count_lines(path: Path) -> int:
@@ -546,7 +556,7 @@ def count_lines(path: Path) -> int:
     last = b"\n"
     with _open(path) as fh:
         while block := fh.read(16 << 20):
-            n += block.count(b"\n")
+            n += count_newlines(block)
             last = block[-1:]
     return n + (last != b"\n")
 

@@ -14,7 +14,7 @@ from recsys.data.criteo import CriteoParser, parse_criteo
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.sources import TextSource
 from recsys.data.synthetic import SyntheticConfig
-from recsys.data.text import Issues, OnError
+from recsys.data.text import Issues, OnError, count_lines, count_newlines, iter_chunks
 from tests.recsys.data.conftest import criteo_lines, criteo_oracle
 
 
@@ -80,6 +80,25 @@ def test_chunked_and_gzip_streams_match_oracle(criteo_file, tmp_path, chunk_byte
         assert source.num_rows() == len(lines)
         # Starting after k rows gives exactly the rows from k on.
         _check_against_oracle(Block.concat(list(source.blocks(skip_rows=1234))), lines[1234:])
+
+
+@pytest.mark.parametrize("skip", [0, 1, 37, 5000])
+def test_iter_chunks_cover_the_lines_after_skip(tmp_path, skip):
+    """Chunks hold whole lines, in order, with their first line number and line count (oracle: splitlines)."""
+    rng = np.random.default_rng(skip)
+    lines = [b"x" * int(n) for n in rng.integers(0, 300, 4000)]
+    path = tmp_path / "lines.txt"
+    path.write_bytes(b"\n".join(lines))  # the last line has no newline
+    got, expect_first = [], skip + 1
+    for data, first, n in iter_chunks(path, chunk_bytes=4096, skip_lines=skip):
+        assert data.endswith(b"\n") and first == expect_first
+        assert n == len(data.splitlines()) == count_newlines(data)
+        got += data.splitlines()
+        expect_first += n
+    assert got == lines[skip:]
+    assert count_lines(path) == len(lines)
+    big = b"\n".join(lines) * 600  # over a MiB: counted in several numpy passes
+    assert count_newlines(big) == big.count(b"\n")
 
 
 def _spec(tmp_path: Path, body: str, name: str = "spec.toml") -> Path:
