@@ -22,7 +22,8 @@ Experiments (each prints its runs, then a summary line):
    two cores would give, from the sequential runs' own stage times: (tier + compute) / max(tier, compute);
    ``pipelined_vs_sequential_cpu_bound`` the speed-up the CPU allows at all: the sequential step over its
    CPU time per step (all threads, the LMDB writer included) spread over the cores at the measured
-   ``two_thread_speedup``. Each run
+   ``two_thread_speedup``; ``pipelined_vs_sequential_equal_priority`` is the pipelined run with
+   ``pipeline.worker_nice=0`` (stage threads at the training thread's priority). Each run
    prints ``thread_cpu_ms_per_step``: CPU per step of the training thread, the pipeline's stage threads
    and the writer.
 3. cold: the same tables; a first run fills a store and checkpoints it; then each run resumes from that
@@ -424,12 +425,16 @@ def ssd_bound(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
         "untiered": [*base, "store.tiered=false"],
         "pipelined": [*base, *tiered, "pipeline.mode=pipelined"],
         "sequential": [*base, *tiered, "pipeline.mode=sequential"],
+        # the default lowers the stage threads' priority (pipeline.worker_nice); this run does not
+        "pipelined_equal_priority": [*base, *tiered, "pipeline.mode=pipelined", "pipeline.worker_nice=0"],
     }
     runs = alternate(env, "ssd_bound", variants, repeats=args.repeats, warmup_steps=steps // 5, root=args.dir)
     pipelined = median(runs["pipelined"], "samples_per_s")
     out = {
         "pipelined_vs_sequential": pipelined / median(runs["sequential"], "samples_per_s"),
         "ssd_bound_tiered_vs_untiered": pipelined / median(runs["untiered"], "samples_per_s"),
+        "pipelined_vs_sequential_equal_priority": median(runs["pipelined_equal_priority"], "samples_per_s")
+        / median(runs["sequential"], "samples_per_s"),
         "pipelined_vs_sequential_whole_fit": median(runs["pipelined"], "fit_samples_per_s")
         / median(runs["sequential"], "fit_samples_per_s"),
         "pipelined_vs_sequential_overlap_bound": overlap_bound(runs["sequential"]),

@@ -456,5 +456,10 @@ def tiered_feed(
         StageSpec(name=Stage.PREFETCH, fn=prefetch, capacity=1),
         StageSpec(name=Stage.FILL, fn=tables.fill, capacity=1, sync_with_consumer=True),
     ]
-    config = PipelineConfig(mode=section.mode, source_name=Stage.LOAD, trace_batches=section.trace_batches)
+    config = PipelineConfig(
+        mode=section.mode,
+        source_name=Stage.LOAD,
+        trace_batches=section.trace_batches,
+        worker_nice=section.worker_nice,
+    )
     return StagedPipeline(source, stages, config=config, device=DeviceContext(device), rank=rank)

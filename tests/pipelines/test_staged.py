@@ -9,7 +9,9 @@ worker mid-stream.
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import sys
 import threading
 import time
 
@@ -76,6 +78,41 @@ def test_sequential_mode_runs_inline_one_batch_at_a_time():
             seen.append(("consumer", batch, threading.current_thread().name))
     main = threading.current_thread().name
     assert seen == [(n, b, main) for b in range(3) for n in ("a", "b", "consumer")]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("mode", list(PipelineMode))
+def test_worker_nice_lowers_the_workers_priority_only(mode: PipelineMode):
+    """Pipelined: the source and every stage run at the consumer's nice + worker_nice; sequential: inline,
+    so nothing changes; the consumer's own priority never changes."""
+
+    def nice_now() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = nice_now()
+    seen: dict[str, set[int]] = {"source": set(), "a": set(), "b": set()}
+
+    def src():
+        for i in range(4):
+            seen["source"].add(nice_now())
+            yield (i, i)
+
+    def stage(name: str):
+        def fn(item: tuple[int, int]) -> tuple[int, int]:
+            seen[name].add(nice_now())
+            return item
+
+        return fn
+
+    stages = [StageSpec(name=n, fn=stage(n)) for n in ("a", "b")]
+    config = PipelineConfig(mode=mode, worker_nice=3)
+    with StagedPipeline(src(), stages, config=config, device=CPU) as pipe:
+        assert [b for b, _ in pipe] == list(range(4))
+    expect = min(19, base + 3) if mode is PipelineMode.PIPELINED else base
+    assert seen == {"source": {expect}, "a": {expect}, "b": {expect}}
+    assert nice_now() == base
+    with pytest.raises(ValueError, match="worker_nice must be an int in 0..19, got 20"):
+        PipelineConfig(worker_nice=20)
 
 
 @pytest.mark.parametrize("capacities, source_capacity", [([1, 1, 1], 1), ([3, 1, 2], 2), ([1, 4], 3)])
