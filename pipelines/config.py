@@ -50,12 +50,17 @@ class StageSpec:
         sync_with_consumer: on CUDA, the stage's stream waits, before each batch, for all the work the
             consumer enqueued on its stream up to the batch it last finished (the stage writes device
             state that the consumer's kernels read, e.g. slots freed by released pins). Free on CPU.
+        nice: added to the stage thread's nice value (0..19; Linux, where nice is per thread; ignored
+            elsewhere and in SEQUENTIAL mode). Where the workers and the consumer share too few cores, the
+            scheduler then preempts the consumer — the training step, the critical path — less often for
+            this stage. Leave it 0 for a stage that must run far ahead (e.g. one feeding a lookahead).
     """
 
     name: str
     fn: Callable[[Any], Any]
     capacity: int = 1
     sync_with_consumer: bool = False
+    nice: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -66,6 +71,8 @@ class StageSpec:
             raise ValueError(f"StageSpec.fn must be callable, got {self.fn!r}")
         if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 1:
             raise ValueError(f"StageSpec.capacity must be an int >= 1, got {self.capacity!r}")
+        if not isinstance(self.nice, int) or isinstance(self.nice, bool) or not 0 <= self.nice <= 19:
+            raise ValueError(f"StageSpec.nice must be an int in 0..19, got {self.nice!r}")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -83,10 +90,6 @@ class PipelineConfig:
             bounds the trace's memory on long runs.
         stall_fraction: ``stall_warning`` speaks when the consumer waits for input more than this
             fraction of the wall time.
-        worker_nice: added to each worker thread's nice value (0..19; Linux, where nice is per thread;
-            ignored elsewhere). Where the workers and the consumer share too few cores, the scheduler then
-            preempts the consumer — the training step, the critical path — less often for a worker that
-            has only work ahead of need. 0 leaves the workers at the process's priority.
         join_timeout_s: how long ``close()`` waits for each worker; a worker still inside a stage
             function after that is left behind (it is a daemon thread) and logged.
     """
@@ -97,7 +100,6 @@ class PipelineConfig:
     consumer_name: str = Stage.COMPUTE.value
     trace_batches: int = 1000
     stall_fraction: float = 0.5
-    worker_nice: int = 0
     join_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -120,7 +122,5 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.trace_batches must be an int >= 0, got {self.trace_batches!r}")
         if not 0.0 < self.stall_fraction <= 1.0:
             raise ValueError(f"PipelineConfig.stall_fraction must be in (0, 1], got {self.stall_fraction!r}")
-        if not isinstance(self.worker_nice, int) or not 0 <= self.worker_nice <= 19:
-            raise ValueError(f"PipelineConfig.worker_nice must be an int in 0..19, got {self.worker_nice!r}")
         if not self.join_timeout_s > 0:
             raise ValueError(f"PipelineConfig.join_timeout_s must be > 0, got {self.join_timeout_s!r}")

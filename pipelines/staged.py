@@ -313,7 +313,6 @@ class StagedPipeline:
         batch, exhausted = 0, False
         try:
             self.device.bind_thread()
-            _lower_thread_priority(self.config.worker_nice)
             stream = self.device.new_stream()
             while True:
                 wait_start = tl.now_ns()
@@ -346,7 +345,7 @@ class StagedPipeline:
             batch = -1
             try:
                 self.device.bind_thread()
-                _lower_thread_priority(self.config.worker_nice)
+                _lower_thread_priority(spec.nice)
                 stream = self.device.new_stream()
                 while True:
                     # room downstream first: holding an input we cannot pass on would let the

@@ -142,10 +142,11 @@ class PipelineSection:
         mode: ``pipelined`` runs load, key routing, tier prefetch and device fill of later batches on
             worker threads while the current batch computes; ``sequential`` runs them inline (reference).
         trace_batches: batches recorded in ``trace.json`` (Chrome trace; 0: none).
-        worker_nice: how much lower than the training thread's the OS scheduling priority of the pipeline's
-            worker threads is (nice 0..19, per thread; Linux only). Where the stage threads and the training
-            step share too few cores, the training step — the critical path — is then preempted less for
-            work that is only ahead of need. 0 gives every thread the same priority.
+        worker_nice: how much lower than the training thread's the OS scheduling priority of the tier
+            prefetch and device fill threads is (nice 0..19, per thread; Linux only). Where the stage
+            threads and the training step share too few cores, the training step — the critical path — is
+            then preempted less often. Load and key routing keep the training thread's priority: they run
+            far ahead to feed the lookahead window. 0 gives every thread the same priority.
         frozen_windows: micro-batch windows per training batch (``recsys/windows.py``): the pooled
             embeddings are exchanged window by window, each window's dense compute overlapping the later
             windows' exchange, with one sparse update per batch. 1 (default) keeps the batch whole; more

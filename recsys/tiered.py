@@ -453,13 +453,11 @@ def tiered_feed(
 
     stages = [
         StageSpec(name=Stage.ROUTE, fn=route, capacity=max(1, lookahead - 1)),
-        StageSpec(name=Stage.PREFETCH, fn=prefetch, capacity=1),
-        StageSpec(name=Stage.FILL, fn=tables.fill, capacity=1, sync_with_consumer=True),
+        # load and route keep the training thread's priority: they must run far ahead to feed the lookahead
+        StageSpec(name=Stage.PREFETCH, fn=prefetch, capacity=1, nice=section.worker_nice),
+        StageSpec(
+            name=Stage.FILL, fn=tables.fill, capacity=1, sync_with_consumer=True, nice=section.worker_nice
+        ),
     ]
-    config = PipelineConfig(
-        mode=section.mode,
-        source_name=Stage.LOAD,
-        trace_batches=section.trace_batches,
-        worker_nice=section.worker_nice,
-    )
+    config = PipelineConfig(mode=section.mode, source_name=Stage.LOAD, trace_batches=section.trace_batches)
     return StagedPipeline(source, stages, config=config, device=DeviceContext(device), rank=rank)

@@ -82,9 +82,9 @@ def test_sequential_mode_runs_inline_one_batch_at_a_time():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 @pytest.mark.parametrize("mode", list(PipelineMode))
-def test_worker_nice_lowers_the_workers_priority_only(mode: PipelineMode):
-    """Pipelined: the source and every stage run at the consumer's nice + worker_nice; sequential: inline,
-    so nothing changes; the consumer's own priority never changes."""
+def test_stage_nice_lowers_that_stage_threads_priority_only(mode: PipelineMode):
+    """Pipelined: stage "a" runs at the consumer's nice + 3, the source and stage "b" (nice 0) at the
+    consumer's; sequential runs every stage inline, so nothing changes; the consumer's never changes."""
 
     def nice_now() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -104,15 +104,14 @@ def test_worker_nice_lowers_the_workers_priority_only(mode: PipelineMode):
 
         return fn
 
-    stages = [StageSpec(name=n, fn=stage(n)) for n in ("a", "b")]
-    config = PipelineConfig(mode=mode, worker_nice=3)
-    with StagedPipeline(src(), stages, config=config, device=CPU) as pipe:
+    stages = [StageSpec(name="a", fn=stage("a"), nice=3), StageSpec(name="b", fn=stage("b"))]
+    with StagedPipeline(src(), stages, config=PipelineConfig(mode=mode), device=CPU) as pipe:
         assert [b for b, _ in pipe] == list(range(4))
-    expect = min(19, base + 3) if mode is PipelineMode.PIPELINED else base
-    assert seen == {"source": {expect}, "a": {expect}, "b": {expect}}
+    lowered = min(19, base + 3) if mode is PipelineMode.PIPELINED else base
+    assert seen == {"source": {base}, "a": {lowered}, "b": {base}}
     assert nice_now() == base
-    with pytest.raises(ValueError, match="worker_nice must be an int in 0..19, got 20"):
-        PipelineConfig(worker_nice=20)
+    with pytest.raises(ValueError, match="StageSpec.nice must be an int in 0..19, got 20"):
+        StageSpec(name="c", fn=stage("a"), nice=20)
 
 
 @pytest.mark.parametrize("capacities, source_capacity", [([1, 1, 1], 1), ([3, 1, 2], 2), ([1, 4], 3)])
