@@ -139,6 +139,9 @@ class LmdbOptions:
             gathering several steps' evictions into one costs ~3x less CPU per row than one per step.
             Rows waiting stay readable; ``flush()`` and checkpoints commit them at once.
         writer_linger_s: the longest an evicted row waits for others before a transaction starts.
+        writer_nice: how much lower than the training thread's the OS scheduling priority of the writer
+            thread is (nice 0..19, per thread; Linux only): its work is never on the training step's
+            path, so where threads share too few cores the step is preempted less for it. 0: the same.
         unmap_every_rows: LMDB reads through a read-only mmap, so every page it touches counts toward
             this process's RSS (as page cache, reclaimable, but visible). After this many rows read or
             written, the backend drops the mapping's page-table entries (``MADV_DONTNEED``; the page
@@ -157,6 +160,7 @@ class LmdbOptions:
     writer_max_pending_rows: int = 1 << 19
     writer_min_batch_rows: int | None = None
     writer_linger_s: float = 0.5
+    writer_nice: int = 10
     unmap_every_rows: int | None = None
 
     def __post_init__(self) -> None:
@@ -186,6 +190,12 @@ class LmdbOptions:
             raise ValueError(
                 f"LmdbOptions.writer_linger_s must be in [0, 60] seconds, got {self.writer_linger_s!r}"
             )
+        if (
+            not isinstance(self.writer_nice, int)
+            or isinstance(self.writer_nice, bool)
+            or not 0 <= self.writer_nice <= 19
+        ):
+            raise ValueError(f"LmdbOptions.writer_nice must be an int in 0..19, got {self.writer_nice!r}")
         if self.unmap_every_rows is not None and (
             not isinstance(self.unmap_every_rows, int) or self.unmap_every_rows <= 0
         ):

@@ -121,6 +121,7 @@ class TieredStore:
             max_pending_rows=config.lmdb.writer_max_pending_rows,
             min_batch_rows=config.lmdb.writer_min_batch_rows or max(1, config.lmdb.writer_batch_rows // 2),
             linger_s=config.lmdb.writer_linger_s,
+            nice=config.lmdb.writer_nice,
         )
         self._tables = {t.name: TieredTable(t, config, self._backend, self._writer) for t in tables}
         self._lock = threading.RLock()

@@ -18,6 +18,7 @@ import numpy as np
 
 from embedding_store.errors import StoreError
 from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.threads import lower_thread_priority
 
 __all__ = ["WriteBehind"]
 
@@ -45,6 +46,7 @@ class WriteBehind:
         max_pending_rows: ``submit`` blocks while more rows than this wait (bounds memory).
         min_batch_rows: rows to gather before a transaction starts (capped at the two above).
         linger_s: longest a submitted row waits for others before a transaction starts.
+        nice: added to the writer thread's nice value (see ``LmdbOptions.writer_nice``).
     """
 
     def __init__(
@@ -55,12 +57,14 @@ class WriteBehind:
         max_pending_rows: int,
         min_batch_rows: int = 1,
         linger_s: float = 0.0,
+        nice: int = 0,
     ) -> None:
         self._backend = backend
         self._batch_rows = batch_rows
         self._max_pending_rows = max_pending_rows
         self._start_rows = max(1, min(min_batch_rows, batch_rows, max_pending_rows))
         self._linger_s = linger_s
+        self._nice = nice
         self._drains = 0  # callers waiting in drain(): commit at once
         self._cond = threading.Condition()
         self._pending: deque[_Pending] = deque()  # oldest first; committed entries leave from the left
@@ -152,6 +156,7 @@ class WriteBehind:
                 self._cond.wait()
 
     def _run(self) -> None:
+        lower_thread_priority(self._nice)
         while True:
             with self._cond:
                 self._wait_for_work()

@@ -27,16 +27,14 @@ the current stream: the reference the pipelined mode must match item for item.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import sys
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from embedding_store.threads import lower_thread_priority
 from pipelines.config import PipelineConfig, PipelineMode, StageSpec
 from pipelines.device import DeviceContext, Event
 from pipelines.timeline import Timeline, stall_warning
@@ -345,7 +343,7 @@ class StagedPipeline:
             batch = -1
             try:
                 self.device.bind_thread()
-                _lower_thread_priority(spec.nice)
+                lower_thread_priority(spec.nice)
                 stream = self.device.new_stream()
                 while True:
                     # room downstream first: holding an input we cannot pass on would let the
@@ -376,16 +374,6 @@ class StagedPipeline:
                 self._fail(spec.name, batch, exc)
 
         return run
-
-
-def _lower_thread_priority(nice: int) -> None:
-    """Add ``nice`` to the calling thread's nice value (Linux: ``setpriority`` on the thread id, capped at
-    19); nothing elsewhere, or where the system refuses."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def _close_iterator(iterator: Iterator[Any] | None) -> None:

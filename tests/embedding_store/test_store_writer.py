@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import numpy as np
+import pytest
 
 from embedding_store import LmdbOptions, OptimizerKind, TableSpec
 from embedding_store.lmdb_backend import LmdbBackend
@@ -100,3 +103,27 @@ def test_a_lingering_row_is_committed_without_a_drain(tmp_path) -> None:
             threading.Event().wait(0.05)
         assert backend.txn_rows == [10] and writer.pending_rows == 0
     backend.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_writer_thread_runs_at_a_lower_priority_only(tmp_path) -> None:
+    """The writer thread's nice is the caller's + ``nice`` (capped at 19); the caller's is unchanged."""
+
+    def nice_of(tid: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+
+    me = threading.get_native_id()
+    base = nice_of(me)
+    spec = TableSpec(name="t", dim=4, optimizer=OptimizerKind.EXACT_SGD)
+    backend = LmdbBackend(tmp_path / "env", options=LmdbOptions(), seed=0, tables=[spec])
+    seen: list[int] = []
+    put_rows = backend.put_rows
+    backend.put_rows = lambda writes: (seen.append(nice_of(threading.get_native_id())), put_rows(writes))  # type: ignore[method-assign]
+    ((ids, rows),) = _batches(1, 10)
+    with WriteBehind(backend, batch_rows=100, max_pending_rows=1000, nice=4) as writer:
+        writer.submit("t", ids, rows)
+        writer.drain()
+    assert seen == [min(19, base + 4)] and nice_of(me) == base
+    backend.close()
+    with pytest.raises(ValueError, match="writer_nice must be an int in 0..19, got -1"):
+        LmdbOptions(writer_nice=-1)
