@@ -9,6 +9,8 @@ its slot travels through the pipe instead, so any chunk works.
 
 Workers are forked, as PyTorch's DataLoader workers are: they start at once, need no importable
 ``__main__`` and run nothing but numpy code on the chunk (no torch, no locks of the parent's threads).
+Each has its own pipe: the parent sends a task straight to the least busy worker, and one collector
+thread receives every worker's results (no executor, feeder or wake-up threads between them).
 They tune their own ``malloc`` so that a chunk's temporaries reuse memory instead of faulting in fresh
 pages, and report malformed lines as counts (``skip``) or as the error itself (``raise``), which the
 parent re-raises.
@@ -26,8 +28,9 @@ import pickle
 import signal
 import threading
 from collections import deque
-from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from recsys.data.text import Issues, OnError
@@ -104,7 +107,40 @@ def _parse_task(
     return head, spans, dict(issues.counts)
 
 
+def _worker_main(conn: Connection, parse: Any, path: str, size: int, slot_bytes: int, in_bytes: int) -> None:
+    """A worker's life: tasks from its pipe, one at a time, until ``None`` or the parent is gone."""
+    _init_worker(parse, path, size, slot_bytes, in_bytes)
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        try:
+            reply: tuple[bool, Any] = (True, _parse_task(*task))
+        except BaseException as err:  # noqa: BLE001 - the reader re-raises it
+            reply = (False, err)
+        try:
+            conn.send(reply)
+        except (pickle.PicklingError, TypeError, AttributeError):  # an exception that cannot be pickled
+            conn.send((False, RuntimeError(f"text parser failed: {reply[1]!r}")))
+        except (BrokenPipeError, OSError):
+            return
+
+
 # -- in the parent ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Proc:
+    """One worker process, the parent's end of its pipe and its tasks in flight (oldest first)."""
+
+    process: Any
+    conn: Connection
+    in_flight: deque[tuple[int, Future, Issues]] = field(default_factory=deque)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    alive: bool = True
 
 
 class ProcessParsePool:
@@ -124,15 +160,36 @@ class ProcessParsePool:
         self._buf = memoryview(self._map)
         self._free: deque[int] = deque(range(slots))
         self._slot_freed = threading.Condition()
+        self._lock = threading.Lock()  # guards every _Proc's in_flight and alive, and _closing
+        self._closing = False
         path = f"/proc/{os.getpid()}/fd/{self._fd}"
-        self._pool = ProcessPoolExecutor(
-            workers,
-            mp_context=multiprocessing.get_context("fork"),
-            initializer=_init_worker,
-            initargs=(parse, path, size, self.slot_bytes, self.in_bytes),
+        ctx = multiprocessing.get_context("fork")
+        self._procs: list[_Proc] = []
+        try:
+            for _ in range(workers):
+                here, there = ctx.Pipe()
+                process = ctx.Process(
+                    target=_worker_main,
+                    args=(there, parse, path, size, self.slot_bytes, self.in_bytes),
+                    name="tierrec-parser",
+                    daemon=True,
+                )
+                process.start()
+                there.close()
+                self._procs.append(_Proc(process, here))
+        except BaseException:
+            self._stop_workers()
+            self._release()
+            raise
+        # started after the forks, so that no worker inherits a copy of it
+        self._collector = threading.Thread(
+            target=self._collect_loop, name="tierrec-parse-collect", daemon=True
         )
+        self._collector.start()
 
     def submit(self, data: bytes, first: int, issues: Issues) -> Future:
+        if self._closing:
+            raise RuntimeError("the text parser pool is closed")
         with self._slot_freed:  # a slot comes free as soon as a worker's result is copied out
             self._slot_freed.wait_for(lambda: bool(self._free))
             slot = self._free.popleft()
@@ -141,34 +198,76 @@ class ProcessParsePool:
             base = slot * self.slot_bytes
             self._buf[base : base + len(data)] = data
             inline = None
-        inner = self._pool.submit(_parse_task, slot, inline, len(data), first, issues.path, issues.on_error)
         outer: Future = Future()
-        inner.add_done_callback(lambda f: self._collect(f, outer, slot, issues))
+        with self._lock:
+            live = [p for p in self._procs if p.alive]
+            proc = min(live, key=lambda p: len(p.in_flight)) if live and not self._closing else None
+            if proc is not None:
+                proc.in_flight.append((slot, outer, issues))
+        if proc is None:
+            self._free_slot(slot)
+            outer.set_exception(RuntimeError("the text parser processes have stopped"))
+            return outer
+        try:
+            with proc.send_lock:
+                proc.conn.send((slot, inline, len(data), first, issues.path, issues.on_error))
+        except OSError:
+            pass  # the worker is gone: the collector fails its tasks, this one included
         return outer
 
-    def _collect(self, inner: Future, outer: Future, slot: int, issues: Issues) -> None:
+    def _collect_loop(self) -> None:
+        """Receive every worker's results in turn; a worker whose pipe closes has died (or was stopped)."""
+        by_conn = {p.conn: p for p in self._procs}
+        while by_conn:
+            for conn in wait(list(by_conn)):
+                proc = by_conn[conn]  # type: ignore[index]
+                try:
+                    ok, payload = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    del by_conn[conn]  # type: ignore[arg-type]
+                    self._gone(proc)
+                    continue
+                with self._lock:
+                    slot, outer, issues = proc.in_flight.popleft()
+                self._finish(ok, payload, slot, outer, issues)
+
+    def _gone(self, proc: _Proc) -> None:
+        """A worker's pipe closed: fail the tasks it still had (cancelled, if the pool is closing)."""
+        proc.process.join(timeout=5)
+        with self._lock:
+            proc.alive = False
+            lost = list(proc.in_flight)
+            proc.in_flight.clear()
+            closing = self._closing
+        for slot, outer, _ in lost:
+            self._free_slot(slot)
+            if closing:
+                outer.cancel()
+            else:
+                self._settle(
+                    outer,
+                    error=RuntimeError(f"a text parser process died (exit code {proc.process.exitcode})"),
+                )
+
+    def _finish(self, ok: bool, payload: Any, slot: int, outer: Future, issues: Issues) -> None:
         """Copy the result out of its slot (the result owns its memory), free the slot, merge the counts."""
         result: Any = None
         error: BaseException | None = None
         try:
-            if inner.cancelled():
-                error = RuntimeError("text parsing was cancelled")
-            elif (exc := inner.exception()) is not None:
-                error = (
-                    RuntimeError(f"a text parser process died ({exc})")
-                    if isinstance(exc, BrokenProcessPool)
-                    else exc
-                )
+            if not ok:
+                error = payload
             else:
-                head, spans, counts = inner.result()
+                head, spans, counts = payload
                 buffers = None if spans is None else self._copy_out(spans)
                 result = pickle.loads(head, buffers=buffers)
                 issues.merge(counts)
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the result
             error = err
-        with self._slot_freed:
-            self._free.append(slot)
-            self._slot_freed.notify()
+        self._free_slot(slot)
+        self._settle(outer, result=result, error=error)
+
+    @staticmethod
+    def _settle(outer: Future, *, result: Any = None, error: BaseException | None = None) -> None:
         try:
             if error is not None:
                 outer.set_exception(error)
@@ -176,6 +275,11 @@ class ProcessParsePool:
                 outer.set_result(result)
         except InvalidStateError:  # the reader cancelled it
             pass
+
+    def _free_slot(self, slot: int) -> None:
+        with self._slot_freed:
+            self._free.append(slot)
+            self._slot_freed.notify()
 
     def _copy_out(self, spans: list[tuple[int, int]]) -> list[memoryview]:
         """The result's buffers, copied from the slot into one new writable allocation (they are adjacent)."""
@@ -192,7 +296,28 @@ class ProcessParsePool:
         self.close()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the workers (tasks still in flight are cancelled) and release the shared buffer."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._stop_workers()
+        self._collector.join(timeout=10)
+        self._release()
+
+    def _stop_workers(self) -> None:
+        for proc in self._procs:
+            if proc.process.is_alive():
+                proc.process.terminate()  # a worker holds nothing the parent needs
+        for proc in self._procs:
+            proc.process.join(timeout=10)
+            if proc.process.is_alive():
+                proc.process.kill()
+                proc.process.join()
+
+    def _release(self) -> None:
+        for proc in self._procs:
+            proc.conn.close()
         self._buf.release()
         self._map.close()
         os.close(self._fd)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -113,3 +117,42 @@ def test_a_parser_error_reaches_the_reader_with_its_type():
     pool = ProcessParsePool(_Fails(), workers=1, chunk_bytes=1024, slots=2)
     with pool, pytest.raises(ZeroDivisionError, match="chunk at line 7"):
         pool.submit(b"a\n", 7, Issues("f", OnError.RAISE)).result(timeout=60)
+
+
+class _Dies:
+    """Kills its own process on the chunk that starts at line 2 (as an out-of-memory kill would)."""
+
+    def __call__(self, data: bytes, first: int, issues: Issues) -> int:
+        if first == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return first
+
+
+def test_a_dead_worker_fails_its_task_and_the_others_finish():
+    with ProcessParsePool(_Dies(), workers=2, chunk_bytes=1024, slots=4) as pool:
+        futures = [pool.submit(b"a\n", k, Issues("f", OnError.RAISE)) for k in (1, 2)]
+        assert futures[0].result(timeout=60) == 1
+        with pytest.raises(RuntimeError, match=r"a text parser process died \(exit code -9\)"):
+            futures[1].result(timeout=60)
+        # the surviving worker takes every later task
+        later = [pool.submit(b"a\n", k, Issues("f", OnError.RAISE)) for k in (3, 4, 5)]
+        assert [f.result(timeout=60) for f in later] == [3, 4, 5]
+
+
+class _Slow:
+    def __call__(self, data: bytes, first: int, issues: Issues) -> int:
+        time.sleep(0.2)
+        return first
+
+
+def test_close_with_tasks_in_flight_cancels_them_and_stops_every_worker():
+    pool = ProcessParsePool(_Slow(), workers=2, chunk_bytes=1024, slots=6)
+    futures = [pool.submit(b"a\n", k, Issues("f", OnError.RAISE)) for k in range(6)]
+    workers = [p.process for p in pool._procs]
+    start = time.monotonic()
+    pool.close()
+    assert time.monotonic() - start < 5
+    assert all(f.done() for f in futures)
+    assert not any(w.is_alive() for w in workers)
+    with pytest.raises(RuntimeError, match="the text parser pool is closed"):
+        pool.submit(b"a\n", 9, Issues("f", OnError.RAISE))
