@@ -51,7 +51,7 @@ pipelined_vs_sequential_cold, step_vs_slowest_stage (<= 1.15), sequential_step_v
 lookahead_hit_rate, lru_hit_rate, belady_hit_rate, lookahead_vs_belady (>= 0.95), the lookahead depth,
 the sizes used, and the CPU-time and overlap-bound companions of the throughput ratios.
 
-Usage: python benchmarks/bench_pipeline.py [--quick] [--repeats 3] [--lookahead 128] [--dir /tmp/...]
+Usage: python benchmarks/bench_pipeline.py [--quick] [--repeats 5] [--lookahead 128] [--dir /tmp/...]
        [--only fits_cache,ssd_bound,cold,delays,hit_rates] [--delays-ms 20,10,30]
 """
 
@@ -795,7 +795,7 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="a ~2-minute smoke run (fewer steps, 1 repeat)")
     parser.add_argument(
-        "--repeats", type=int, default=None, help="repeats per variant (default 3; --quick: 1)"
+        "--repeats", type=int, default=None, help="repeats per variant (default 5; --quick: 1)"
     )
     parser.add_argument(
         "--lookahead", type=int, default=128, help="LOOKAHEAD depth of the hit-rate experiment"
@@ -806,7 +806,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a new temp dir)")
     parser.add_argument("--only", default=",".join(EXPERIMENTS), help="comma-separated experiments to run")
     args = parser.parse_args()
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 5)
     only = [e for e in args.only.split(",") if e]
     unknown = sorted(set(only) - set(EXPERIMENTS))
     if unknown:
