@@ -106,10 +106,17 @@ def _fail(message: str) -> int:
 
 def _worker(local_rank: int, nproc: int, port: int, config: object, out: Path, resume: bool) -> None:
     """Entry point of a self-spawned worker process."""
+    import threading
+
+    from tqdm import tqdm
+
     from recsys.distributed import set_local_rank_env
 
     set_local_rank_env(local_rank, nproc, port)
     _quiet_libraries()
+    # A thread lock for tqdm: its default also makes a multiprocessing lock (a named semaphore), which the
+    # os._exit below would leave for the resource tracker to report as leaked.
+    tqdm.set_lock(threading.RLock())
     from recsys.errors import UserError
     from recsys.train import run
 

@@ -100,10 +100,12 @@ def test_two_rank_run_writes_summary_and_metrics(first_run):
 def test_same_config_twice_gives_same_digest(
     first_run, tmp_path, config_file, repo_root_module, python_module, env_module
 ):
-    run_train(config_file, tmp_path, env=env_module)
+    proc = run_train(config_file, tmp_path, env=env_module)
     a = json.loads((first_run / "summary.json").read_text())["model_digest"]
     b = json.loads((tmp_path / "summary.json").read_text())["model_digest"]
     assert a == b
+    # the workers leave without the interpreter's teardown: they must not leave named semaphores behind
+    assert "leaked semaphore" not in proc.stderr
 
 
 TIERED = ["--set", "store.tiered=true", "--set", "store.device_rows=1400", "--set", "store.host_rows=400",
