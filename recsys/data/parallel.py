@@ -9,11 +9,10 @@ its slot travels through the pipe instead, so any chunk works.
 
 Workers are forked, as PyTorch's DataLoader workers are: they start at once, need no importable
 ``__main__`` and run nothing but numpy code on the chunk (no torch, no locks of the parent's threads).
-Each has its own pipe: the parent sends a task straight to the least busy worker, and one collector
-thread receives every worker's results (no executor, feeder or wake-up threads between them).
 They tune their own ``malloc`` so that a chunk's temporaries reuse memory instead of faulting in fresh
 pages, and report malformed lines as counts (``skip``) or as the error itself (``raise``), which the
-parent re-raises.
+parent re-raises. Each has its own pipe: the parent sends a task straight to the least busy worker, and
+one collector thread receives every worker's results (no executor, feeder or wake-up threads between).
 
 Linux only (``os.memfd_create``); :func:`process_pool_available` says whether this platform has it.
 """
@@ -56,14 +55,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
-class _Worker:
-    parse: Any = None
-    buf: memoryview | None = None
-    slot_bytes = 0
-    in_bytes = 0
-
-
-def _init_worker(parse: Any, path: str, size: int, slot_bytes: int, in_bytes: int) -> None:
+def _init_worker(path: str, size: int) -> memoryview:
+    """Set up a fresh worker; returns its mapping of the shared slot buffer."""
     # Ctrl-C reaches the whole process group: the reader stops its workers itself, without their tracebacks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # glibc: keep large temporaries on the heap and the heap's top mapped, so that each chunk's arrays
@@ -76,27 +69,31 @@ def _init_worker(parse: Any, path: str, size: int, slot_bytes: int, in_bytes: in
         pass
     fd = os.open(path, os.O_RDWR)
     try:
-        _Worker.buf = memoryview(mmap.mmap(fd, size))
+        return memoryview(mmap.mmap(fd, size))
     finally:
         os.close(fd)
-    _Worker.parse, _Worker.slot_bytes, _Worker.in_bytes = parse, slot_bytes, in_bytes
 
 
 def _parse_task(
-    slot: int, data: bytes | None, nbytes: int, first: int, path: str, on_error: OnError
+    parse: Any,
+    buf: memoryview,
+    slot: tuple[int, int, int],
+    task: tuple[bytes | None, int, int, str, OnError],
 ) -> tuple[bytes, list[tuple[int, int]] | None, dict[str, int]]:
-    """Parse one chunk; returns (pickle, spans of its out-of-band buffers in the slot or None, counts)."""
-    buf = _Worker.buf
-    assert buf is not None
-    base = slot * _Worker.slot_bytes
+    """Parse one chunk; returns (pickle, spans of its out-of-band buffers in the slot or None, counts).
+
+    ``slot`` is (start, end of its input half, end) in ``buf``; ``task`` is (the chunk, or None when it
+    is in the slot, its length, its first line number, file path, on_error).
+    """
+    base, out, end = slot
+    data, nbytes, first, path, on_error = task
     if data is None:
         data = bytes(buf[base : base + nbytes])
     issues = Issues(path, on_error)
-    result = _Worker.parse(data, first, issues)
+    result = parse(data, first, issues)
     buffers: list[pickle.PickleBuffer] = []
     head = pickle.dumps(result, protocol=5, buffer_callback=buffers.append)
     views = [b.raw() for b in buffers]
-    out, end = base + _Worker.in_bytes, base + _Worker.slot_bytes
     if out + sum(v.nbytes for v in views) > end:
         return pickle.dumps(result, protocol=5), None, dict(issues.counts)
     spans = []
@@ -108,17 +105,20 @@ def _parse_task(
 
 
 def _worker_main(conn: Connection, parse: Any, path: str, size: int, slot_bytes: int, in_bytes: int) -> None:
-    """A worker's life: tasks from its pipe, one at a time, until ``None`` or the parent is gone."""
-    _init_worker(parse, path, size, slot_bytes, in_bytes)
+    """A worker's life: tasks from its pipe, one at a time, until the parent closes it (or stops it)."""
+    buf = _init_worker(path, size)
     while True:
         try:
-            task = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
             return
-        if task is None:
-            return
+        slot, task = message
+        base = slot * slot_bytes
         try:
-            reply: tuple[bool, Any] = (True, _parse_task(*task))
+            reply: tuple[bool, Any] = (
+                True,
+                _parse_task(parse, buf, (base, base + in_bytes, base + slot_bytes), task),
+            )
         except BaseException as err:  # noqa: BLE001 - the reader re-raises it
             reply = (False, err)
         try:
@@ -210,7 +210,7 @@ class ProcessParsePool:
             return outer
         try:
             with proc.send_lock:
-                proc.conn.send((slot, inline, len(data), first, issues.path, issues.on_error))
+                proc.conn.send((slot, (inline, len(data), first, issues.path, issues.on_error)))
         except OSError:
             pass  # the worker is gone: the collector fails its tasks, this one included
         return outer
