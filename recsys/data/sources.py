@@ -19,7 +19,7 @@ import numpy as np
 
 from recsys.data.block import Block, Jagged
 from recsys.data.parallel import ProcessParsePool, picklable, process_pool_available
-from recsys.data.text import Issues, OnError, count_lines, iter_chunks, log_issues
+from recsys.data.text import Issues, OnError, after_lines, count_lines, iter_chunks, log_issues
 from recsys.errors import UserError
 
 __all__ = ["RowSource", "TextSource", "NpySource", "MemorySource", "ParquetSource", "ChunkParser", "rebatch"]
@@ -108,8 +108,7 @@ class TextSource:
                 if left is not None:
                     if n >= left:
                         if left:
-                            at = int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)[left - 1])
-                            yield path, data[: at + 1], first
+                            yield path, data[: after_lines(data, left)], first
                         left = 0
                         break
                     left -= n

@@ -34,6 +34,7 @@ __all__ = [
     "iter_chunks",
     "count_lines",
     "count_newlines",
+    "after_lines",
     "Problems",
     "parse_int",
     "parse_hex",
@@ -510,6 +511,11 @@ def count_newlines(data: bytes | memoryview) -> int:
     return sum(int(np.count_nonzero(arr[i : i + step] == NEWLINE)) for i in range(0, arr.shape[0], step))
 
 
+def after_lines(data: bytes, k: int) -> int:
+    """Offset in ``data`` just past its ``k``-th newline (k >= 1; ``data`` holds at least k lines)."""
+    return int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == NEWLINE)[k - 1]) + 1
+
+
 def iter_chunks(
     path: Path, *, chunk_bytes: int = 8 << 20, skip_lines: int = 0
 ) -> Iterator[tuple[bytes, int, int]]:
@@ -539,8 +545,7 @@ def iter_chunks(
                     skip_lines -= n
                     line += n
                     continue
-                at = int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == NEWLINE)[skip_lines - 1])
-                data = data[at + 1 :]
+                data = data[after_lines(data, skip_lines) :]
                 line += skip_lines
                 n -= skip_lines
                 skip_lines = 0
