@@ -97,7 +97,7 @@ class RoutedBatch:
     """One batch between the routing and the fill stage.
 
     ``inverse[t]`` maps each value of table t's feature to its unique id; ``perm[t]`` orders the unique ids
-    by destination rank; ``send_counts`` (W, T) and ``recv_counts`` (W, T) count ids per peer and table;
+    by destination rank (None when one rank owns the whole table: the sorted order is the send order); ``send_counts`` (W, T) and ``recv_counts`` (W, T) count ids per peer and table;
     ``owner_ids[t]`` are the ids this rank owns, received from every peer in peer order.
     """
 
@@ -105,7 +105,7 @@ class RoutedBatch:
     batch: Batch
     channel: str
     inverse: dict[str, torch.Tensor]
-    perm: dict[str, torch.Tensor]
+    perm: dict[str, torch.Tensor | None]
     send_counts: torch.Tensor
     recv_counts: torch.Tensor
     owner_ids: dict[str, torch.Tensor]
@@ -263,11 +263,6 @@ class TieredTables:
     def _values_by_feature(self, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         return dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()), strict=True))
 
-    def _destinations(self, name: str, uniq: torch.Tensor) -> torch.Tensor:
-        if self.row_wise:
-            return owner_of_ids(uniq, self.world_size)
-        return torch.full_like(uniq, self.table_owner[name])
-
     def route(self, batch_id: int, batch: Batch, *, channel: str = TRAIN) -> RoutedBatch:
         """Deduplicate the batch's ids per tiered table and send each unique id to its owner.
 
@@ -276,35 +271,43 @@ class TieredTables:
         """
         values = self._values_by_feature(batch.sparse)
         w, n_tables = self.world_size, len(self.names)
-        inverse, perm, send_parts = {}, {}, []
+        inverse: dict[str, torch.Tensor] = {}
+        perm: dict[str, torch.Tensor | None] = {}
+        uniques: list[torch.Tensor] = []
         send_counts = torch.zeros(w, n_tables, dtype=torch.int64)
         for t, name in enumerate(self.names):
-            uniq, inv = torch.unique(values[self.feature[name]], return_inverse=True)
-            dest = self._destinations(name, uniq)
-            order = torch.argsort(dest, stable=True)
-            inverse[name], perm[name] = inv, order
-            send_counts[:, t] = torch.bincount(dest, minlength=w)
-            send_parts.append(torch.split(uniq[order], send_counts[:, t].tolist()))
-        send = torch.cat([send_parts[t][d] for d in range(w) for t in range(n_tables)]) if n_tables else None
-        if w > 1:
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts, group=self._groups[channel][0])
-            recv = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
-            dist.all_to_all_single(
-                recv,
-                send,
-                recv_counts.sum(1).tolist(),
-                send_counts.sum(1).tolist(),
-                group=self._groups[channel][0],
-            )
-        else:
-            recv_counts, recv = send_counts, send
-        owner_ids = {}
-        if recv is not None:
-            pieces = torch.split(recv, recv_counts.reshape(-1).tolist())  # peer-major, table-minor
-            for t, name in enumerate(self.names):
-                if name in self.row_offset:
-                    owner_ids[name] = torch.cat([pieces[s * n_tables + t] for s in range(w)])
+            uniq, inverse[name] = torch.unique(values[self.feature[name]], return_inverse=True)
+            if self.row_wise and w > 1:  # each id to the rank its hash names: group them by rank
+                dest = owner_of_ids(uniq, w)
+                order = torch.argsort(dest, stable=True)
+                uniq, perm[name] = uniq[order], order
+                send_counts[:, t] = torch.bincount(dest, minlength=w)
+            else:  # one owner for the whole table: already in send order
+                perm[name] = None
+                send_counts[self.table_owner[name], t] = uniq.shape[0]
+            uniques.append(uniq)
+        owner_ids: dict[str, torch.Tensor] = {}
+        if w == 1:
+            owner_ids = {name: uniques[t] for t, name in enumerate(self.names) if name in self.row_offset}
+            return RoutedBatch(batch_id, batch, channel, inverse, perm, send_counts, send_counts, owner_ids)
+        counts = send_counts.numpy()
+        # peer-major, table-minor: the ids for peer d are table 0's share for d, then table 1's, ...
+        parts = [torch.split(u, counts[:, t].tolist()) for t, u in enumerate(uniques)]
+        send = torch.cat([parts[t][d] for d in range(w) for t in range(n_tables)])
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self._groups[channel][0])
+        recv = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
+        dist.all_to_all_single(
+            recv,
+            send,
+            recv_counts.sum(1).tolist(),
+            send_counts.sum(1).tolist(),
+            group=self._groups[channel][0],
+        )
+        pieces = torch.split(recv, recv_counts.reshape(-1).tolist())  # peer-major, table-minor
+        for t, name in enumerate(self.names):
+            if name in self.row_offset:
+                owner_ids[name] = torch.cat([pieces[s * n_tables + t] for s in range(w)])
         return RoutedBatch(batch_id, batch, channel, inverse, perm, send_counts, recv_counts, owner_ids)
 
     def announce(self, routed: RoutedBatch) -> None:
@@ -319,39 +322,16 @@ class TieredTables:
 
     def fill(self, routed: RoutedBatch) -> Batch:
         """Make the batch's rows resident and pinned, return slot ids to their senders, rewrite the KJT."""
-        w, n_tables = self.world_size, len(self.names)
         slots: dict[str, torch.Tensor] = {}
         if self.store is not None:
             local = self.store.make_resident(routed.batch_id, routed.owner_ids)
             slots = {name: s + self.row_offset[name] for name, s in local.items()}
-        back_parts: list[torch.Tensor] = []
-        if n_tables:
-            for s in range(w):
-                for t, name in enumerate(self.names):
-                    count = int(routed.recv_counts[s, t])
-                    if count:
-                        start = int(routed.recv_counts[:s, t].sum())
-                        back_parts.append(slots[name][start : start + count])
-        if w > 1:
-            back = torch.cat(back_parts) if back_parts else torch.empty(0, dtype=torch.int64)
-            got = torch.empty(int(routed.send_counts.sum()), dtype=torch.int64)
-            dist.all_to_all_single(
-                got,
-                back,
-                routed.send_counts.sum(1).tolist(),
-                routed.recv_counts.sum(1).tolist(),
-                group=self._groups[routed.channel][1],
-            )
-        else:
-            got = torch.cat(back_parts) if back_parts else torch.empty(0, dtype=torch.int64)
-        pieces = torch.split(got, routed.send_counts.reshape(-1).tolist())  # dest-major, table-minor
+        # One rank owns every table: its slots are already in the order of its unique ids.
+        uniq_slots = slots if self.world_size == 1 else self._return_slots(routed, slots)
         kjt = routed.batch.sparse
         values = self._values_by_feature(kjt)
-        for t, name in enumerate(self.names):
-            sorted_slots = torch.cat([pieces[d * n_tables + t] for d in range(w)])
-            uniq_slots = torch.empty_like(sorted_slots)
-            uniq_slots[routed.perm[name]] = sorted_slots
-            values[self.feature[name]] = uniq_slots[routed.inverse[name]]
+        for name in self.names:
+            values[self.feature[name]] = uniq_slots[name][routed.inverse[name]]
         sparse = KeyedJaggedTensor(
             keys=kjt.keys(),
             values=torch.cat([values[k] for k in kjt.keys()]),
@@ -359,6 +339,39 @@ class TieredTables:
             stride=kjt.stride(),
         )
         return Batch(dense=routed.batch.dense, sparse=sparse, labels=routed.batch.labels)
+
+    def _return_slots(self, routed: RoutedBatch, slots: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The second all-to-all: owners send each peer the slots of the ids it sent them; returns the
+        slots of this rank's unique ids per table, in the order of those ids."""
+        w, n_tables = self.world_size, len(self.names)
+        recv = routed.recv_counts.numpy()  # (W, T)
+        starts = np.cumsum(recv, axis=0) - recv  # where peer s's ids of table t start in owner_ids[t]
+        back_parts = [
+            slots[name][starts[s, t] : starts[s, t] + recv[s, t]]
+            for s in range(w)
+            for t, name in enumerate(self.names)
+            if recv[s, t]
+        ]
+        back = torch.cat(back_parts) if back_parts else torch.empty(0, dtype=torch.int64)
+        got = torch.empty(int(routed.send_counts.sum()), dtype=torch.int64)
+        dist.all_to_all_single(
+            got,
+            back,
+            routed.send_counts.sum(1).tolist(),
+            routed.recv_counts.sum(1).tolist(),
+            group=self._groups[routed.channel][1],
+        )
+        pieces = torch.split(got, routed.send_counts.reshape(-1).tolist())  # dest-major, table-minor
+        out = {}
+        for t, name in enumerate(self.names):
+            in_send_order = torch.cat([pieces[d * n_tables + t] for d in range(w)])
+            order = routed.perm[name]
+            if order is None:
+                out[name] = in_send_order
+            else:
+                out[name] = torch.empty_like(in_send_order)
+                out[name][order] = in_send_order
+        return out
 
     def release(self, batch_id: int) -> None:
         """Unpin a batch's rows after its backward and optimizer step."""
