@@ -63,6 +63,11 @@ def _as_ids(ids: IdsLike) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
 
 
+def _strictly_increasing(ids: np.ndarray) -> bool:
+    """Whether (N,) ids are sorted and unique already (the key routing hands over such arrays)."""
+    return bool((ids[1:] > ids[:-1]).all())
+
+
 def _first_uses(parts: list[np.ndarray], distances: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique ids of ``parts`` (each unique, in batch order) and the distance of the first part
     holding each."""
@@ -201,7 +206,8 @@ class TieredStore:
                 table = self._table(name)
                 arr = _as_ids(ids)
                 table.check_ids(arr)
-                announced[name] = np.unique(arr)
+                # a copy: the caller may reuse its array
+                announced[name] = arr.copy() if _strictly_increasing(arr) else np.unique(arr)
             if batch_id in self._announced:  # its ids may change: cached windows holding it are stale
                 self._future_cache.clear()
             self._announced[batch_id] = announced

@@ -193,3 +193,18 @@ def test_prefetch_in_another_thread_matches_a_reference(store_dir, policy) -> No
                 ahead.join()
         host = store.stats().tables["t"][Tier.HOST]
         assert host.hits > 0 and host.evictions > 0
+
+
+@pytest.mark.parametrize("announced", [[3, 5, 9], [3, 3, 5, 9, 9]], ids=["sorted-unique", "sorted-repeats"])
+def test_prefetch_reads_the_ids_announced_not_a_later_edit_of_the_array(store_dir, announced) -> None:
+    """Routed ids arrive sorted and unique and are taken as they are; the store must keep its own copy
+    and still deduplicate sorted input that repeats ids."""
+    with _open(store_dir) as store:
+        ids = np.array(announced, dtype=np.int64)
+        store.lookahead(0, {"t": ids})
+        ids[:] = 40  # the caller reuses its array
+        store.prefetch(0)
+        assert store.stats().resident_rows["t"][Tier.HOST] == 3
+        store.make_resident(0, {"t": torch.tensor([3, 5, 9])})
+        host = store.stats().tables["t"][Tier.HOST]
+        assert (host.hits, host.misses) == (3, 0)
