@@ -2,7 +2,10 @@
 
 Threading contract: every public method may be called from any thread. Calls are serialised by one
 re-entrant store lock, except that :meth:`TieredStore.prefetch` releases it during its LMDB read, so a
-prefetch for batch i+2 overlaps ``make_resident``/``release`` of batches i and i+1. A background writer
+prefetch for batch i+2 overlaps ``make_resident``/``release`` of batches i and i+1, and that
+:meth:`TieredStore.release` never waits for it: it queues the unpin under a small lock of its own, and
+the next call that takes the store lock applies the queued unpins before anything else (so the training
+thread does not wait for a fill or a prefetch in progress to release its batch). A background writer
 thread commits evicted rows; it never takes the store lock, and its failure is raised by the next call.
 The bound slot-table tensors are read and written only inside ``make_resident`` (victims and fills,
 never a pinned slot), ``flush``, ``snapshot``, ``read_rows`` and ``iter_rows``; run the last four
@@ -134,7 +137,11 @@ class TieredStore:
         self._unlocked_reads = 0
         self._announced: dict[int, dict[str, np.ndarray]] = {}
         self._future_cache: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray] | None] = {}
-        self._in_flight: dict[int, list[str]] = {}  # batch -> tables it pinned
+        # batch -> tables it pinned; with _unpin (released batches whose pins are still to drop), guarded by
+        # _release_lock, which is never held while waiting for anything else
+        self._in_flight: dict[int, list[str]] = {}
+        self._unpin: list[tuple[int, list[str]]] = []
+        self._release_lock = threading.Lock()
         self._closed = False
 
     # --------------------------------------------------------------------------------- plumbing
@@ -144,9 +151,18 @@ class TieredStore:
         return {name: t.spec for name, t in self._tables.items()}
 
     def _check(self) -> None:
+        """Under the store lock, first thing: raise if the store is closed or its writer failed, then drop
+        the pins of the batches released since the last call."""
         if self._closed:
             raise StoreClosedError(f"store {self.path} is closed")
         self._writer.check()
+        if self._unpin:
+            with self._release_lock:
+                released, self._unpin = self._unpin, []
+            for batch_id, pinned in released:
+                for name in pinned:
+                    self._tables[name].release(batch_id)
+                self._announced.pop(batch_id, None)
 
     def _table(self, name: str) -> TieredTable:
         try:
@@ -258,8 +274,9 @@ class TieredStore:
         """
         with self._lock:
             self._check()
-            if batch_id in self._in_flight:
-                raise ValueError(f"batch {batch_id} is already resident; release() it first")
+            with self._release_lock:
+                if batch_id in self._in_flight:
+                    raise ValueError(f"batch {batch_id} is already resident; release() it first")
             pinned: list[str] = []
             out: dict[str, torch.Tensor] = {}
             try:
@@ -274,19 +291,23 @@ class TieredStore:
                 for name in pinned:
                     self._tables[name].release(batch_id)
                 raise
-            self._in_flight[batch_id] = pinned
+            with self._release_lock:
+                self._in_flight[batch_id] = pinned
             return out
 
     def release(self, batch_id: int) -> None:
-        """Unpin a batch's slots after its backward has updated them; forget its announcement."""
-        with self._lock:
-            self._check()
+        """Unpin a batch's slots after its backward has updated them; forget its announcement.
+
+        Does not wait for the store lock: the unpin is queued and applied by the next call that takes it
+        (before that call does anything else), so no later call can see the batch's slots pinned.
+        """
+        with self._release_lock:
+            if self._closed:
+                raise StoreClosedError(f"store {self.path} is closed")
             pinned = self._in_flight.pop(batch_id, None)
             if pinned is None:
                 raise ValueError(f"batch {batch_id} is not resident")
-            for name in pinned:
-                self._tables[name].release(batch_id)
-            self._announced.pop(batch_id, None)
+            self._unpin.append((batch_id, pinned))
 
     def evict(self, table: str, ids: IdsLike | None = None) -> int:
         """Write rows back from the device tier (to the host tier, whose dirty victims go to the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from embedding_store import (
     TieredStore,
     restore_snapshot,
 )
+from embedding_store.tiered_table import TieredTable
 
 SPEC = TableSpec(name="t", dim=4, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)
 BOUNDED = TableSpec(name="b", dim=2, optimizer=OptimizerKind.EXACT_SGD, num_embeddings=100)
@@ -208,3 +210,33 @@ def test_prefetch_reads_the_ids_announced_not_a_later_edit_of_the_array(store_di
         store.make_resident(0, {"t": torch.tensor([3, 5, 9])})
         host = store.stats().tables["t"][Tier.HOST]
         assert (host.hits, host.misses) == (3, 0)
+
+
+def test_release_does_not_wait_for_a_call_that_holds_the_store_lock(store_dir, monkeypatch) -> None:
+    """The training thread releases batch i while the fill stage is inside make_resident of batch i+2."""
+    with _open(store_dir) as store:
+        store.make_resident(0, {"t": torch.arange(8)})  # every slot of "t" pinned
+        inside, go_on = threading.Event(), threading.Event()
+        fetch_up = TieredTable._fetch_up
+
+        def slow_fetch_up(self, ids, future):
+            inside.set()
+            go_on.wait(10)
+            return fetch_up(self, ids, future)
+
+        monkeypatch.setattr(TieredTable, "_fetch_up", slow_fetch_up)
+        fill = threading.Thread(target=store.make_resident, args=(2, {"b": torch.tensor([1, 2])}))
+        fill.start()
+        assert inside.wait(10)  # the other thread now holds the store lock
+        start = time.perf_counter()
+        store.release(0)
+        waited = time.perf_counter() - start
+        go_on.set()
+        fill.join()
+        monkeypatch.undo()
+        assert waited < 2.0
+        with pytest.raises(ValueError, match="not resident"):
+            store.release(0)
+        # The queued unpin is applied before the next call does anything: all 8 slots are free for it.
+        slots = store.make_resident(1, {"t": torch.arange(100, 108)})["t"]
+        assert sorted(slots.tolist()) == list(range(8))
