@@ -11,6 +11,7 @@ column), so any subset of rows can be produced without producing the others.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
@@ -39,6 +40,7 @@ def mix64(x: np.ndarray) -> np.ndarray:
     return _mix64(x.astype(np.uint64, copy=True))
 
 
+@functools.lru_cache(maxsize=1024)
 def table_key(seed: int, table: str) -> np.uint64:
     """The 64-bit stream key of one table under one seed."""
     name_hash = zlib.crc32(table.encode("utf-8"))
