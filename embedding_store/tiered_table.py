@@ -33,10 +33,13 @@ def _no_future() -> tuple[np.ndarray, np.ndarray] | None:
 
 @dataclass(slots=True)
 class PrefetchPlan:
-    """Ids one prefetch reads from LMDB without the store lock, and the ids moved down meanwhile."""
+    """Ids one prefetch reads from LMDB without the store lock, the rows it already found pending in the
+    writer, and the ids moved down meanwhile."""
 
     ids: np.ndarray  # (M,) sorted unique
     epoch: int  # the table's epoch when the plan was made
+    pending_ids: np.ndarray  # (P,) found in the writer's queue; disjoint from ids
+    pending_rows: np.ndarray  # (P, R) their latest rows
     moved_down: list[np.ndarray] = field(default_factory=list)
 
 
@@ -229,9 +232,12 @@ class TieredTable:
 
     # --------------------------------------------------------------------------------- prefetch
     def plan_prefetch(self, ids: np.ndarray, future: FutureIds) -> PrefetchPlan:
-        """Step 1 (locked): pending rows go to the host now; returns the ids left for an LMDB read."""
+        """Step 1 (locked): the rows on no tier above the writer; those the writer still holds are taken
+        from it now, the rest are left for an LMDB read. Both go to the host in step 3, in one put."""
         if self.host.capacity == 0:  # nowhere to park rows: the fill reads them itself, once
-            plan = PrefetchPlan(ids=ids[:0], epoch=self._epoch)
+            plan = PrefetchPlan(
+                ids[:0], self._epoch, ids[:0], np.empty((0, self.spec.row_floats), np.float32)
+            )
             self._plans.append(plan)
             return plan
         absent = self.host.lookup(ids) < 0
@@ -240,45 +246,54 @@ class TieredTable:
         todo = ids[absent]
         found, pending = self._writer.lookup(self.spec.name, todo)
         if found.any():
-            self._put_host(todo[found], pending, dirty=False, future=future)
             self.stats[Tier.SSD].hits += int(found.sum())
-        plan = PrefetchPlan(ids=todo[~found], epoch=self._epoch)
+            plan = PrefetchPlan(todo[~found], self._epoch, todo[found], pending)
+        else:
+            plan = PrefetchPlan(todo, self._epoch, todo[:0], np.empty((0, self.spec.row_floats), np.float32))
         self._plans.append(plan)
         return plan
 
     def finish_prefetch(
         self, plan: PrefetchPlan, read: tuple[np.ndarray, np.ndarray] | None, future: FutureIds
     ) -> None:
-        """Step 3 (locked): put the rows read in step 2 into the host, unless a newer copy appeared."""
+        """Step 3 (locked): put the rows found in step 1 and read in step 2 into the host, unless a newer
+        copy appeared meanwhile."""
         self._plans.remove(plan)
-        if read is None or plan.ids.shape[0] == 0:
+        if read is None:  # the read failed: nothing is lost, every row is still below the host
             return
-        on_disk, disk_rows = read
-        if on_disk.all():  # the common case: no copy of the rows read
-            rows = disk_rows
-        else:
-            rows = np.empty((plan.ids.shape[0], self.spec.row_floats), dtype=np.float32)
-            rows[on_disk] = disk_rows
-            rows[~on_disk] = self._init(plan.ids[~on_disk])
-        # Drop rows that another call brought up meanwhile, or that went down (their LMDB copy we
-        # read may be older than what the writer now holds).
-        # Unchanged epoch: nothing entered a tier since the plan, so every row read is still absent.
-        keep = np.ones(plan.ids.shape[0], dtype=bool)
+        ids, rows = plan.ids, None
+        if ids.shape[0]:
+            on_disk, disk_rows = read
+            if on_disk.all():  # the common case: no copy of the rows read
+                rows = disk_rows
+            else:
+                rows = np.empty((ids.shape[0], self.spec.row_floats), dtype=np.float32)
+                rows[on_disk] = disk_rows
+                rows[~on_disk] = self._init(ids[~on_disk])
+            ssd = self.stats[Tier.SSD]
+            found = int(on_disk.sum())
+            ssd.hits += found
+            ssd.misses += ids.shape[0] - found
+            ssd.add_out(found, self.spec.row_bytes)
+        if plan.pending_ids.shape[0]:
+            ids = np.concatenate([plan.pending_ids, ids])
+            rows = plan.pending_rows if rows is None else np.concatenate([plan.pending_rows, rows])
+        if rows is None:
+            return
+        # Drop rows that another call brought up meanwhile, or that went down (the copy we hold may be
+        # older than what the writer now holds).
+        # Unchanged epoch: nothing entered a tier since the plan, so every row is still absent.
+        keep = np.ones(ids.shape[0], dtype=bool)
         if plan.epoch != self._epoch:
-            keep &= self.host.lookup(plan.ids) < 0
+            keep &= self.host.lookup(ids) < 0
             if self.device is not None:
-                keep &= self.device.lookup(plan.ids) < 0
+                keep &= self.device.lookup(ids) < 0
         if plan.moved_down:
-            keep &= ~np.isin(plan.ids, np.concatenate(plan.moved_down))
-        ssd = self.stats[Tier.SSD]
-        found = int(on_disk.sum())
-        ssd.hits += found
-        ssd.misses += plan.ids.shape[0] - found
-        ssd.add_out(found, self.spec.row_bytes)
+            keep &= ~np.isin(ids, np.concatenate(plan.moved_down))
         if keep.all():
-            self._put_host(plan.ids, rows, dirty=False, future=future)
+            self._put_host(ids, rows, dirty=False, future=future)
         else:
-            self._put_host(plan.ids[keep], rows[keep], dirty=False, future=future)
+            self._put_host(ids[keep], rows[keep], dirty=False, future=future)
 
     def read_plan(self, plan: PrefetchPlan) -> tuple[np.ndarray, np.ndarray]:
         """Step 2 (unlocked): the LMDB read of a plan."""
