@@ -4,7 +4,9 @@ This is the only module that imports ``lmdb``. Keys are 8-byte big-endian ids, s
 ascending id order; values are packed float32 rows (see ``config``). Reads and writes are batched over
 sorted keys (``getmulti``/``putmulti``). The map starts at ``initial_map_size_bytes`` and doubles when a
 write transaction finds it full, up to ``max_map_size_bytes``; a full map or disk raises StoreFullError
-after the transaction was aborted, so no write is ever half-applied.
+after the transaction was aborted, so no write is ever half-applied. A bounded table (``num_embeddings``
+up to 2^26) that is empty when the environment opens keeps one flag per id, set for every id a write
+carries, and reads look up only flagged ids: the rest were never written, so they cannot be found.
 
 Threads: reads may run in any thread while the background writer commits; changing the map size needs
 no transaction open in this process, so reads and commits hold a shared lock and a resize an exclusive one.
@@ -35,6 +37,8 @@ __all__ = ["FORMAT_VERSION", "LmdbBackend", "encode_keys", "scan_snapshot"]
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
 _META_KEY = b"format"
+# Bounded tables up to this many ids that start empty keep a "may be stored" flag per id (1 byte each).
+_FILTER_MAX_IDS = 1 << 26
 # How often a running snapshot copy drops its mapped pages of the data file.
 _COPY_UNMAP_S = 0.02
 _CORRUPT = (
@@ -164,6 +168,15 @@ class LmdbBackend:
         try:
             self._check_meta(path, seed, tables)
             self._dbs = {t.name: self._env.open_db(t.name.encode(), create=True) for t in tables}
+            # A table that starts empty knows which ids it may hold: the ones ever handed to put_rows.
+            # Reads skip the others (first touches of never-written rows are most reads of a first pass).
+            self._maybe_stored = {
+                t.name: np.zeros(t.num_embeddings, dtype=bool)
+                for t in tables
+                if t.num_embeddings is not None
+                and t.num_embeddings <= _FILTER_MAX_IDS
+                and not self.num_rows(t.name)
+            }
         except lmdb.Error as err:
             self._env.close()
             raise _map_error(err, f"cannot open the tables of {path}") from err
@@ -213,6 +226,18 @@ class LmdbBackend:
             found: (N,) bool, True where the row exists.
             rows: (F, R) float32 rows of the found ids, in id order.
         """
+        maybe = self._maybe_stored.get(table)
+        if maybe is not None and ids.shape[0]:
+            stored = maybe[ids]
+            if not stored.all():
+                at = np.flatnonzero(stored)
+                found_stored, rows = self._get_rows(table, ids[at])
+                found = np.zeros(ids.shape[0], dtype=bool)
+                found[at[found_stored]] = True  # a subsequence of sorted ids: rows keep their order
+                return found, rows
+        return self._get_rows(table, ids)
+
+    def _get_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         row_bytes = self._row_bytes[table]
         step = self._options.unmap_every_rows or max(1, ids.shape[0])
         if ids.shape[0] <= step:
@@ -294,6 +319,9 @@ class LmdbBackend:
         items = []
         need_bytes = 0  # keys and values of this write, before LMDB's page overhead
         for table, ids, rows in writes:
+            maybe = self._maybe_stored.get(table)
+            if maybe is not None:  # before the commit: a reader that sees the row committed sees the flag
+                maybe[ids] = True
             row_bytes = self._row_bytes[table]
             need_bytes += ids.shape[0] * (8 + row_bytes)
             values = _row_values(rows, row_bytes)
