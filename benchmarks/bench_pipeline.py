@@ -7,7 +7,9 @@ ratios are of medians. Throughput is the steady state of ``Trainer.fit``: sample
 ``train.log_every``-step windows after a warm-up (pipeline fill, first touches); the whole-fit
 ``samples_per_s`` of ``fit`` is printed too. Each run also prints ``cores_used`` (CPU seconds of all
 the process's threads per second of training) and ``cpu_ms_per_step``: where other processes take the
-CPUs, the wall-clock ratios measure the scheduler's share, and the CPU figures still compare the work.
+CPUs, the wall-clock ratios measure the scheduler's share, and the CPU figures still compare the work;
+``other_processes_cores`` and ``steal_fraction`` (from ``/proc/stat``) say how much of the machine others
+took during the run.
 ``two_thread_speedup`` (two numpy sorts on two threads vs one after the other; ~2 on an idle 2-core
 machine) is printed at the start and the end: pipelining can only gain where it is above 1.
 
@@ -147,6 +149,16 @@ def two_thread_speedup() -> float:
     return serial / (time.perf_counter() - start)
 
 
+def machine_cpu() -> tuple[float, float, float]:
+    """(busy, steal, wall) CPU seconds of the whole machine so far, all CPUs together (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    steal = fields[7] if len(fields) > 7 else 0
+    total = sum(fields[:8])
+    return (total - idle - steal) / tick, steal / tick, total / tick
+
+
 def emit(record: dict[str, Any]) -> None:
     def clean(v: Any) -> Any:
         if isinstance(v, float):
@@ -228,10 +240,11 @@ def train_once(
         if prepare is not None:
             prepare(trainer)
         windows = Windows(trainer.step)
-        cpu_start = time.process_time()
+        cpu_start, machine_start = time.process_time(), machine_cpu()
         with ThreadCpu() as threads:
             summary = trainer.fit(windows)  # type: ignore[arg-type]
         cpu_s = time.process_time() - cpu_start
+        busy, steal, total = (b - a for a, b in zip(machine_start, machine_cpu(), strict=True))
         tiers = trainer.tier_stats()
     finally:
         trainer.close()
@@ -247,6 +260,9 @@ def train_once(
         "steps": summary["steps"],
         # CPU seconds of all this process's threads per second of training: > 1 only if stages overlap
         "cores_used": cpu_s / summary["train_seconds"],
+        # the rest of the machine meanwhile: other processes' CPU (in cores) and time the hypervisor took
+        "other_processes_cores": max(0.0, busy - cpu_s) * (os.cpu_count() or 1) / max(total, 1e-9),
+        "steal_fraction": steal / max(total, 1e-9),
         "cpu_ms_per_step": 1e3 * cpu_s * cfg.train.batch_size / max(1, summary["samples"]),
         # per thread (pipeline stage threads together): where the CPU time of a step goes
         "thread_cpu_ms_per_step": {
