@@ -38,8 +38,9 @@ class PrefetchPlan:
 
     ids: np.ndarray  # (M,) sorted unique
     epoch: int  # the table's epoch when the plan was made
-    pending_ids: np.ndarray  # (P,) found in the writer's queue; disjoint from ids
-    pending_rows: np.ndarray  # (P, R) their latest rows
+    # found in the writer's queue (disjoint from ids), with their latest rows
+    pending_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # (P,)
+    pending_rows: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.float32))  # (P, R)
     moved_down: list[np.ndarray] = field(default_factory=list)
 
 
@@ -235,9 +236,7 @@ class TieredTable:
         """Step 1 (locked): the rows on no tier above the writer; those the writer still holds are taken
         from it now, the rest are left for an LMDB read. Both go to the host in step 3, in one put."""
         if self.host.capacity == 0:  # nowhere to park rows: the fill reads them itself, once
-            plan = PrefetchPlan(
-                ids[:0], self._epoch, ids[:0], np.empty((0, self.spec.row_floats), np.float32)
-            )
+            plan = PrefetchPlan(ids=ids[:0], epoch=self._epoch)
             self._plans.append(plan)
             return plan
         absent = self.host.lookup(ids) < 0
@@ -247,9 +246,9 @@ class TieredTable:
         found, pending = self._writer.lookup(self.spec.name, todo)
         if found.any():
             self.stats[Tier.SSD].hits += int(found.sum())
-            plan = PrefetchPlan(todo[~found], self._epoch, todo[found], pending)
+            plan = PrefetchPlan(todo[~found], self._epoch, pending_ids=todo[found], pending_rows=pending)
         else:
-            plan = PrefetchPlan(todo, self._epoch, todo[:0], np.empty((0, self.spec.row_floats), np.float32))
+            plan = PrefetchPlan(ids=todo, epoch=self._epoch)
         self._plans.append(plan)
         return plan
 
@@ -261,24 +260,20 @@ class TieredTable:
         self._plans.remove(plan)
         if read is None:  # the read failed: nothing is lost, every row is still below the host
             return
-        ids, rows = plan.ids, None
-        if ids.shape[0]:
-            on_disk, disk_rows = read
-            if on_disk.all():  # the common case: no copy of the rows read
-                rows = disk_rows
-            else:
-                rows = np.empty((ids.shape[0], self.spec.row_floats), dtype=np.float32)
-                rows[on_disk] = disk_rows
-                rows[~on_disk] = self._init(ids[~on_disk])
-            ssd = self.stats[Tier.SSD]
-            found = int(on_disk.sum())
-            ssd.hits += found
-            ssd.misses += ids.shape[0] - found
-            ssd.add_out(found, self.spec.row_bytes)
+        ids, (on_disk, rows) = plan.ids, read
+        if not on_disk.all():  # the common case needs no copy of the rows read
+            disk_rows, rows = rows, np.empty((ids.shape[0], self.spec.row_floats), dtype=np.float32)
+            rows[on_disk] = disk_rows
+            rows[~on_disk] = self._init(ids[~on_disk])
+        ssd = self.stats[Tier.SSD]
+        found = int(on_disk.sum())
+        ssd.hits += found
+        ssd.misses += ids.shape[0] - found
+        ssd.add_out(found, self.spec.row_bytes)
         if plan.pending_ids.shape[0]:
             ids = np.concatenate([plan.pending_ids, ids])
-            rows = plan.pending_rows if rows is None else np.concatenate([plan.pending_rows, rows])
-        if rows is None:
+            rows = np.concatenate([plan.pending_rows, rows])
+        if ids.shape[0] == 0:
             return
         # Drop rows that another call brought up meanwhile, or that went down (the copy we hold may be
         # older than what the writer now holds).

@@ -97,8 +97,9 @@ class RoutedBatch:
     """One batch between the routing and the fill stage.
 
     ``inverse[t]`` maps each value of table t's feature to its unique id; ``perm[t]`` orders the unique ids
-    by destination rank (None when one rank owns the whole table: the sorted order is the send order); ``send_counts`` (W, T) and ``recv_counts`` (W, T) count ids per peer and table;
-    ``owner_ids[t]`` are the ids this rank owns, received from every peer in peer order.
+    by destination rank (None when one rank owns the whole table: the sorted order is the send order);
+    ``send_counts`` (W, T) and ``recv_counts`` (W, T) count ids per peer and table; ``owner_ids[t]`` are
+    the ids this rank owns, received from every peer in peer order.
     """
 
     batch_id: int
@@ -286,7 +287,6 @@ class TieredTables:
                 perm[name] = None
                 send_counts[self.table_owner[name], t] = uniq.shape[0]
             uniques.append(uniq)
-        owner_ids: dict[str, torch.Tensor] = {}
         if w == 1:
             owner_ids = {name: uniques[t] for t, name in enumerate(self.names) if name in self.row_offset}
             return RoutedBatch(batch_id, batch, channel, inverse, perm, send_counts, send_counts, owner_ids)
@@ -305,9 +305,11 @@ class TieredTables:
             group=self._groups[channel][0],
         )
         pieces = torch.split(recv, recv_counts.reshape(-1).tolist())  # peer-major, table-minor
-        for t, name in enumerate(self.names):
-            if name in self.row_offset:
-                owner_ids[name] = torch.cat([pieces[s * n_tables + t] for s in range(w)])
+        owner_ids = {
+            name: torch.cat([pieces[s * n_tables + t] for s in range(w)])
+            for t, name in enumerate(self.names)
+            if name in self.row_offset
+        }
         return RoutedBatch(batch_id, batch, channel, inverse, perm, send_counts, recv_counts, owner_ids)
 
     def announce(self, routed: RoutedBatch) -> None:
