@@ -30,7 +30,7 @@ from embedding_store.config import MAX_ID, StoreConfig, TableSpec, Tier
 from embedding_store.errors import StoreClosedError, StoreError
 from embedding_store.lmdb_backend import LmdbBackend, scan_snapshot
 from embedding_store.lockfile import DirectoryLock
-from embedding_store.stats import StoreStats
+from embedding_store.stats import StoreStats, TierStats
 from embedding_store.tiered_table import PrefetchPlan, TieredTable
 from embedding_store.tiers import FutureIds
 from embedding_store.writer import WriteBehind
@@ -403,8 +403,18 @@ class TieredStore:
             self._backend.copy_to(dest)
             _fsync(dest / "data.mdb")
 
+    def counters(self) -> dict[str, dict[Tier, TierStats]]:
+        """A copy of the per-table, per-tier counters, taken without waiting for the store lock.
+
+        For a reader that polls while other threads work (the training thread every ``log_every``
+        steps, as the pipeline's stages hold the lock for milliseconds at a time). A copy taken meanwhile
+        may show one call's update half-applied (its hits counted, its misses not yet); counters only
+        grow, so windows between successive copies still add up. ``stats()`` is exact.
+        """
+        return {name: {tier: replace(s) for tier, s in t.stats.items()} for name, t in self._tables.items()}
+
     def stats(self) -> StoreStats:
-        """A copy of the counters, per table and tier."""
+        """A copy of the counters, per table and tier (waits for the store lock: a consistent picture)."""
         with self._lock:
             out = StoreStats(
                 writer_pending_rows=self._writer.pending_rows,

@@ -408,7 +408,7 @@ class TieredTables:
         if self.store is None:
             return {}
         out = {}
-        for name, tiers in self.store.stats().tables.items():
+        for name, tiers in self.store.counters().items():  # polled while stages run: no lock wait
             dev, host, ssd = (tiers[t] for t in (Tier.DEVICE, Tier.HOST, Tier.SSD))
             values = [
                 dev.hits,

@@ -240,3 +240,34 @@ def test_release_does_not_wait_for_a_call_that_holds_the_store_lock(store_dir, m
         # The queued unpin is applied before the next call does anything: all 8 slots are free for it.
         slots = store.make_resident(1, {"t": torch.arange(100, 108)})["t"]
         assert sorted(slots.tolist()) == list(range(8))
+
+
+def test_counters_do_not_wait_for_a_call_that_holds_the_store_lock(store_dir, monkeypatch) -> None:
+    """The training thread polls the tier counters while the fill stage is inside make_resident."""
+    with _open(store_dir) as store:
+        store.make_resident(0, {"t": torch.tensor([1, 2, 2]), "b": torch.tensor([7])})
+        store.make_resident(1, {"t": torch.tensor([2, 3])})
+        exact = store.stats().tables
+        assert store.counters() == exact  # idle: the same numbers as the locked copy
+        assert exact["t"][Tier.DEVICE].hits == 1 and exact["t"][Tier.DEVICE].misses == 4
+        inside, go_on = threading.Event(), threading.Event()
+        fetch_up = TieredTable._fetch_up
+
+        def slow_fetch_up(self, ids, future):
+            inside.set()
+            go_on.wait(10)
+            return fetch_up(self, ids, future)
+
+        monkeypatch.setattr(TieredTable, "_fetch_up", slow_fetch_up)
+        fill = threading.Thread(target=store.make_resident, args=(2, {"t": torch.tensor([4])}))
+        fill.start()
+        assert inside.wait(10)  # the other thread now holds the store lock
+        start = time.perf_counter()
+        polled = store.counters()
+        waited = time.perf_counter() - start
+        go_on.set()
+        fill.join()
+        assert waited < 2.0
+        assert polled["t"][Tier.DEVICE].hits == 1
+        polled["t"][Tier.DEVICE].hits = 99  # a copy: the store's counters are not touched
+        assert store.stats().tables["t"][Tier.DEVICE].hits == 1
