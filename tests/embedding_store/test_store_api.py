@@ -212,28 +212,37 @@ def test_prefetch_reads_the_ids_announced_not_a_later_edit_of_the_array(store_di
         assert (host.hits, host.misses) == (3, 0)
 
 
+def _seconds_while_lock_held(store: TieredStore, monkeypatch, fill_ids: dict, call) -> tuple[float, object]:
+    """Run ``call()`` while another thread sits inside ``make_resident(2, fill_ids)`` holding the store
+    lock; returns how long it took and what it returned (the other thread is let go and joined after)."""
+    inside, go_on = threading.Event(), threading.Event()
+    fetch_up = TieredTable._fetch_up
+
+    def slow_fetch_up(self, ids, future):
+        inside.set()
+        go_on.wait(10)
+        return fetch_up(self, ids, future)
+
+    monkeypatch.setattr(TieredTable, "_fetch_up", slow_fetch_up)
+    fill = threading.Thread(target=store.make_resident, args=(2, fill_ids))
+    fill.start()
+    assert inside.wait(10)  # the other thread now holds the store lock
+    start = time.perf_counter()
+    out = call()
+    waited = time.perf_counter() - start
+    go_on.set()
+    fill.join()
+    monkeypatch.undo()
+    return waited, out
+
+
 def test_release_does_not_wait_for_a_call_that_holds_the_store_lock(store_dir, monkeypatch) -> None:
     """The training thread releases batch i while the fill stage is inside make_resident of batch i+2."""
     with _open(store_dir) as store:
         store.make_resident(0, {"t": torch.arange(8)})  # every slot of "t" pinned
-        inside, go_on = threading.Event(), threading.Event()
-        fetch_up = TieredTable._fetch_up
-
-        def slow_fetch_up(self, ids, future):
-            inside.set()
-            go_on.wait(10)
-            return fetch_up(self, ids, future)
-
-        monkeypatch.setattr(TieredTable, "_fetch_up", slow_fetch_up)
-        fill = threading.Thread(target=store.make_resident, args=(2, {"b": torch.tensor([1, 2])}))
-        fill.start()
-        assert inside.wait(10)  # the other thread now holds the store lock
-        start = time.perf_counter()
-        store.release(0)
-        waited = time.perf_counter() - start
-        go_on.set()
-        fill.join()
-        monkeypatch.undo()
+        waited, _ = _seconds_while_lock_held(
+            store, monkeypatch, {"b": torch.tensor([1, 2])}, lambda: store.release(0)
+        )
         assert waited < 2.0
         with pytest.raises(ValueError, match="not resident"):
             store.release(0)
@@ -250,23 +259,9 @@ def test_counters_do_not_wait_for_a_call_that_holds_the_store_lock(store_dir, mo
         exact = store.stats().tables
         assert store.counters() == exact  # idle: the same numbers as the locked copy
         assert exact["t"][Tier.DEVICE].hits == 1 and exact["t"][Tier.DEVICE].misses == 4
-        inside, go_on = threading.Event(), threading.Event()
-        fetch_up = TieredTable._fetch_up
-
-        def slow_fetch_up(self, ids, future):
-            inside.set()
-            go_on.wait(10)
-            return fetch_up(self, ids, future)
-
-        monkeypatch.setattr(TieredTable, "_fetch_up", slow_fetch_up)
-        fill = threading.Thread(target=store.make_resident, args=(2, {"t": torch.tensor([4])}))
-        fill.start()
-        assert inside.wait(10)  # the other thread now holds the store lock
-        start = time.perf_counter()
-        polled = store.counters()
-        waited = time.perf_counter() - start
-        go_on.set()
-        fill.join()
+        waited, polled = _seconds_while_lock_held(
+            store, monkeypatch, {"t": torch.tensor([4])}, store.counters
+        )
         assert waited < 2.0
         assert polled["t"][Tier.DEVICE].hits == 1
         polled["t"][Tier.DEVICE].hits = 99  # a copy: the store's counters are not touched
