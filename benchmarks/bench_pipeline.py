@@ -3,7 +3,9 @@
 One training rank (WORLD_SIZE=1, gloo, ``train.threads_per_rank=1``), so the pipeline's worker threads
 have the second core. Every comparison runs its baseline and its candidate in this one process,
 alternating them over ``--repeats`` repeats so that drift in the machine's speed hits both alike; the
-ratios are of medians. Throughput is the steady state of ``Trainer.fit``: samples/s over its
+ratios are of medians. ``*_paired`` gives each repeat's ratio of the two runs made back to back, with
+quartiles: on a machine whose speed swings from one run to the next, their spread says how much one
+ratio can be trusted. Throughput is the steady state of ``Trainer.fit``: samples/s over its
 ``train.log_every``-step windows after a warm-up (pipeline fill, first touches); the whole-fit
 ``samples_per_s`` of ``fit`` is printed too. Each run also prints ``cores_used`` (CPU seconds of all
 the process's threads per second of training) and ``cpu_ms_per_step``: where other processes take the
@@ -307,6 +309,14 @@ def median(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def paired(candidate: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, Any]:
+    """Throughput ratios of each repeat's candidate run over the baseline run next to it (``alternate``
+    runs them back to back), with their quartiles: how far one repeat's ratio strays from the median."""
+    ratios = [c["samples_per_s"] / b["samples_per_s"] for c, b in zip(candidate, baseline, strict=True)]
+    low, mid, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {"ratios": [round(r, 4) for r in ratios], "q1": low, "median": mid, "q3": high}
+
+
 def overlap_bound(sequential: list[dict[str, Any]]) -> float:
     """The pipelined/sequential speed-up that perfect overlap on two cores would give, from the
     sequential runs' own stage times: the tier stages (load, route, prefetch, fill) share one core and
@@ -395,6 +405,7 @@ def fits_cache(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
     fit_ratio = median(runs["tiered"], "fit_samples_per_s") / median(runs["untiered"], "fit_samples_per_s")
     out = {
         "fits_cache_tiered_vs_untiered": ratio,
+        "fits_cache_paired": paired(runs["tiered"], runs["untiered"]),
         "fits_cache_whole_fit_ratio": fit_ratio,
         # CPU seconds per step, untiered over tiered: the tiers' cost without the scheduler's share in it
         "fits_cache_cpu_untiered_vs_tiered": median(runs["untiered"], "cpu_ms_per_step")
@@ -451,6 +462,7 @@ def ssd_bound(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
         "ssd_bound_tiered_vs_untiered": pipelined / median(runs["untiered"], "samples_per_s"),
         "pipelined_vs_sequential_equal_priority": median(runs["pipelined_equal_priority"], "samples_per_s")
         / median(runs["sequential"], "samples_per_s"),
+        "pipelined_vs_sequential_paired": paired(runs["pipelined"], runs["sequential"]),
         "pipelined_vs_sequential_whole_fit": median(runs["pipelined"], "fit_samples_per_s")
         / median(runs["sequential"], "fit_samples_per_s"),
         "pipelined_vs_sequential_overlap_bound": overlap_bound(runs["sequential"]),
