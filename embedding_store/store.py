@@ -421,9 +421,9 @@ class TieredStore:
                 writer_commits=self._writer.commits,
                 writer_seconds=self._writer.seconds,
                 map_size_bytes=0 if self._closed else self._backend.map_size_bytes(),
+                tables=self.counters(),  # under the lock: no update is half-applied
             )
             for name, t in self._tables.items():
-                out.tables[name] = {tier: replace(s) for tier, s in t.stats.items()}
                 out.resident_rows[name] = {
                     Tier.DEVICE: 0 if t.device is None else len(t.device),
                     Tier.HOST: len(t.host),
