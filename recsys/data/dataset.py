@@ -341,7 +341,7 @@ class SpecDataset:
             parse = CriteoParser(spec.read.has_label)
             return TextSource(files, parse, header=False, on_error=self.on_error, lines=rows)
         if spec.format is Format.TORCHREC_NPY:
-            return NpySource(files, rows=rows)
+            return NpySource(files, rows=rows, on_error=self.on_error, dense=spec.dense)
         if spec.format is Format.PARQUET:
             try:
                 import pyarrow  # noqa: F401

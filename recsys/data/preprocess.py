@@ -51,6 +51,11 @@ def write_npy(
         n = block.num_rows
         if any(not j.is_single for j in block.ids):
             raise UserError("the npy layout holds one id per sparse feature; this data is multi-hot")
+        # Readers report NaN/inf and bad labels; this guards the files (labels become int32 here).
+        bad = ~np.isfinite(block.dense).all(axis=1) | ((block.labels != 0) & (block.labels != 1))
+        if bad.any():
+            at = row + int(np.flatnonzero(bad)[0])
+            raise UserError(f"{prefix}: row {at} has a dense value that is not finite or a label not 0 or 1")
         dense[row : row + n] = block.dense
         sparse[row : row + n] = np.stack([j.values for j in block.ids], axis=1) if block.ids else 0
         labels[row : row + n, 0] = block.labels

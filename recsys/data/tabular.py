@@ -16,7 +16,7 @@ import numpy as np
 
 from recsys.data.block import Block, Jagged
 from recsys.data.spec import DatasetSpec, DenseSpec, SparseKind, SparseSpec, Transform
-from recsys.data.text import Fields, Problems, hash_tokens, parse_float, parse_hex, parse_int
+from recsys.data.text import NOT_FINITE, Fields, Problems, hash_tokens, parse_float, parse_hex, parse_int
 from recsys.errors import UserError
 
 __all__ = ["Table", "TextTable", "ArrowTable", "SideTable", "to_block", "needed_columns"]
@@ -34,7 +34,10 @@ class Table(Protocol):
     def numeric(
         self, column: str, problems: Problems, *, lenient: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(values (N,) float64, missing (N,) bool); ``lenient``: non-numbers are missing, not errors."""
+        """(values (N,) float64, missing (N,) bool); ``lenient``: non-numbers are missing, not errors.
+
+        Non-numbers include NaN and ±inf; a value that is reported (not lenient) is 0 in ``values``.
+        """
 
     def sparse(self, column: str, feature: SparseSpec, problems: Problems) -> Jagged: ...
 
@@ -131,6 +134,14 @@ class ArrowTable:
         values = np.asarray(
             arr.cast(pa.float64()).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.float64
         )
+        # NaN and ±inf are bad values, as in text (parse_float): missing when lenient, else reported.
+        nonfinite = ~np.isfinite(values)
+        if nonfinite.any():
+            if lenient:
+                missing = missing | nonfinite
+            else:
+                problems.add_rows(self.lines, nonfinite, f"field {column!r}: {NOT_FINITE}", values)
+            values = np.where(nonfinite, 0.0, values)
         return values, missing
 
     def _fields(self, arr: Any) -> Fields:
@@ -230,11 +241,13 @@ class SideTable:
         return np.where(found, self.order[at], self.missing_row)
 
 
-def _transform(d: DenseSpec, values: np.ndarray, missing: np.ndarray) -> np.ndarray:
+def _transform(d: DenseSpec, values: np.ndarray, missing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(feature (N,) float32, overflow (N,) bool): rows whose finite value left float32's range."""
     if d.transform is Transform.LOG1P:
         values = np.log1p(np.maximum(values, 0.0))
-    out = (values - d.shift) * d.scale
-    return np.where(missing, d.fill, out).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # found below, row by row
+        out = np.where(missing, d.fill, (values - d.shift) * d.scale).astype(np.float32)
+    return out, ~np.isfinite(out) & ~missing
 
 
 def needed_columns(spec: DatasetSpec) -> set[str]:
@@ -274,8 +287,15 @@ def to_block(
     n = table.num_rows
     dense = np.zeros((n, len(spec.dense)), dtype=np.float32)
     for j, d in enumerate(spec.dense):
-        values, missing = numeric(d.column or d.name, d.invalid == "missing")
-        dense[:, j] = _transform(d, values, missing)
+        column, lenient = d.column or d.name, d.invalid == "missing"
+        values, missing = numeric(column, lenient)
+        dense[:, j], overflow = _transform(d, values, missing)
+        if overflow.any():  # e.g. 1e300: finite in the file, inf as the model's float32
+            if lenient:
+                dense[overflow, j] = d.fill
+            else:
+                reason = f"field {column!r}: {NOT_FINITE} as float32 after the transform"
+                problems.add_rows(table.lines, overflow, reason, values)
     ids = []
     for s in spec.sparse:
         column = s.column or s.name

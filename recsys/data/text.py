@@ -39,6 +39,7 @@ __all__ = [
     "parse_int",
     "parse_hex",
     "parse_float",
+    "NOT_FINITE",
     "hash_tokens",
     "hash_strings",
 ]
@@ -247,10 +248,15 @@ class Problems:
         self._found.append((bad, reason, int(f.lines[row]), f": {f.text(row, col)!r}"))
         self.bad |= bad
 
-    def add_rows(self, lines: np.ndarray, bad: np.ndarray, reason: str) -> None:
+    def add_rows(
+        self, lines: np.ndarray, bad: np.ndarray, reason: str, values: np.ndarray | None = None
+    ) -> None:
+        """Bad rows that have no text field (Parquet, npy); ``values`` (N,) names the first one's value."""
         if not bad.any():
             return
-        self._found.append((bad, reason, int(lines[np.flatnonzero(bad)[0]]), ""))
+        row = int(np.flatnonzero(bad)[0])
+        detail = "" if values is None else f": {values[row].item()!r}"
+        self._found.append((bad, reason, int(lines[row]), detail))
         self.bad |= bad
 
     def resolve(self, lines: np.ndarray, issues: Issues) -> np.ndarray | None:
@@ -398,25 +404,37 @@ def parse_hex(f: Fields, col: int, *, name: str, problems: Problems) -> tuple[np
     return value, lens == 0
 
 
+NOT_FINITE = "not a finite number"  # the reason every reader gives for NaN and ±inf
+
+
 def parse_float(f: Fields, col: int, *, name: str, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
-    """Decimal numbers → (values (N,) float64, missing (N,) bool); empty fields are missing."""
+    """Decimal numbers → (values (N,) float64, missing (N,) bool); empty fields are missing.
+
+    NaN and ±inf in any spelling the C parser accepts (``nan``, ``-Infinity``, ``1e999``) are bad values
+    like ``abc``, reported to ``problems`` (a caller with ``invalid = "missing"`` turns them into missing):
+    a NaN that reached training would make every later loss NaN. Bad values are 0 in ``values``.
+    """
     mat, lens = _matrix(f, col)
     missing = lens == 0
     strings = mat.view(f"S{mat.shape[1]}").ravel()
     strings = np.where(missing, b"0", strings)
     try:
-        return strings.astype(np.float64), missing
+        value = strings.astype(np.float64)
     except ValueError:
-        pass
-    # Slow path, only for chunks that hold a malformed number: find which ones.
-    value = np.zeros(strings.shape[0], dtype=np.float64)
-    bad = np.zeros(strings.shape[0], dtype=bool)
-    for i, s in enumerate(strings):
-        try:
-            value[i] = float(s)
-        except ValueError:
-            bad[i] = True
-    problems.add(f, col, bad, f"field {name!r} (column {col + 1}): not a number")
+        # Slow path, only for chunks that hold a malformed number: find which ones.
+        value = np.zeros(strings.shape[0], dtype=np.float64)
+        bad = np.zeros(strings.shape[0], dtype=bool)
+        for i, s in enumerate(strings):
+            try:
+                value[i] = float(s)
+            except ValueError:
+                bad[i] = True
+        problems.add(f, col, bad, f"field {name!r} (column {col + 1}): not a number")
+    # One vectorised pass: the fast path stays a C parse plus this check.
+    nonfinite = ~np.isfinite(value)
+    if nonfinite.any():
+        problems.add(f, col, nonfinite, f"field {name!r} (column {col + 1}): {NOT_FINITE}")
+        value[nonfinite] = 0.0
     return value, missing
 
 
