@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from pathlib import Path
-from typing import Any
 
+from recsys.metrics import write_json
 from recsys.tune.tuner import TuneResult
 
 __all__ = ["write_outputs", "PLOTS_HINT"]
 
 PLOTS_HINT = "plots need matplotlib: pip install 'tierrec[plots]' (or pip install matplotlib)"
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
 
 
 def write_outputs(
@@ -32,7 +21,7 @@ def write_outputs(
     out.mkdir(parents=True, exist_ok=True)
     doc = {"config": config_path, **result.doc, "curves": result.curves}
     paths = [out / "tune.json"]
-    paths[0].write_text(json.dumps(_clean(doc), indent=2) + "\n")
+    write_json(paths[0], doc)  # strict JSON: NaN and ±inf as null
     plots = _plots(result, out)
     md = out / "tune.md"
     md.write_text(_markdown(result, out, config_path=config_path, plots=plots, overrides=overrides or []))
