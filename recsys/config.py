@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from recsys.data.source import DataConfig
+from recsys.data.spec import read_text
 from recsys.data.synthetic import SyntheticConfig
 from recsys.errors import UserError
 from recsys.models import ModelConfig
@@ -199,12 +200,7 @@ def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ())
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> RunConfig:
     """Read a TOML config file and apply ``--set`` overrides."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    text = read_text(path, "config file", ConfigError)  # missing, a folder, unreadable, not UTF-8: one line
     try:
         tree = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

@@ -26,7 +26,7 @@ from recsys.data.batch import Batch
 from recsys.data.block import Block, Jagged
 from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
 from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource, rebatch
-from recsys.data.spec import DatasetSpec, Format, JoinSpec
+from recsys.data.spec import DatasetSpec, Format, JoinSpec, inside_root, path_problem, quoted
 from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
 from recsys.data.text import Issues, OnError, Problems, split_fields
 from recsys.errors import UserError
@@ -242,17 +242,23 @@ class ArrayDataset:
         )
 
 
-def _expand(root: Path, names: tuple[str, ...]) -> list[Path]:
-    """Files relative to ``root``; glob patterns (``day_*``) expand in natural order (day_2 before day_10)."""
+def _expand(root: Path, names: tuple[str, ...], key: str) -> list[Path]:
+    """Files relative to ``root``; glob patterns (``day_*``) expand in natural order (day_2 before day_10).
+
+    Every name, and every glob match, must stay inside ``root`` once symlinks are resolved (``key`` names
+    the spec key in the error): a spec is untrusted input and must not read files elsewhere.
+    """
     out: list[Path] = []
     for name in names:
+        if problem := path_problem(name):  # also checked when the spec is read; specs built in code too
+            raise UserError(f"{key}: {quoted(name)} {problem}")
         if any(c in name for c in "*?["):
             matches = sorted(root.glob(name), key=_natural)
             if not matches:
                 raise UserError(f"no files match {root / name}")
-            out += matches
+            out += [inside_root(root, m, f"{key} match") for m in matches]
         else:
-            out.append(root / name)
+            out.append(inside_root(root, root / name, key))
     return out
 
 
@@ -288,9 +294,12 @@ class SpecDataset:
         self.on_error = on_error
         self._sides: list[SideTable] = []
         self._columns: list[str] = []
-        files = _expand(root, spec.source.files)
-        eval_files = _expand(root, spec.split.eval_files)
+        files = _expand(root, spec.source.files, f"{spec.path} [source] files")
+        eval_files = _expand(root, spec.split.eval_files, f"{spec.path} [split] eval_files")
         for f in [*files, *eval_files]:
+            if spec.format is Format.TORCHREC_NPY:  # `files` are prefixes of three .npy files each
+                for kind in ("dense", "sparse", "labels"):
+                    inside_root(root, Path(f"{f}_{kind}.npy"), f"{spec.path} [source] files")
             if not f.exists() and not Path(f"{f}_labels.npy").exists():
                 raise UserError(f"{spec.path}: data file not found: {f}")
         if not files:
@@ -384,10 +393,14 @@ class SpecDataset:
             for suffix, key in ((".user", "user_id"), (".item", "item_id")):
                 side = main.with_suffix(suffix)
                 if side.is_file():
-                    joins.append(JoinSpec(file=side.name, on=key))
+                    # Relative to the root: the .inter file may sit in a subfolder of it.
+                    joins.append(JoinSpec(file=str(side.relative_to(self.root)), on=key))
         delimiter = self._delimiter()
-        for join in joins:
-            path = self.root / join.file
+        for i, join in enumerate(joins):
+            what = f"{spec.path} [[join]] #{i + 1} file"
+            if problem := path_problem(join.file):
+                raise UserError(f"{what}: {quoted(join.file)} {problem}")
+            path = inside_root(self.root, self.root / join.file, what)
             if not path.is_file():
                 raise UserError(f"{spec.path}: join file not found: {path}")
             data = path.read_bytes()

@@ -24,7 +24,7 @@ from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
 from recsys.data.text import OnError
 from recsys.errors import UserError
 
-__all__ = ["Dataset", "DataConfig", "build_dataset"]
+__all__ = ["Dataset", "DataConfig", "build_dataset", "check_source"]
 
 
 @runtime_checkable
@@ -87,18 +87,36 @@ class DataConfig:
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-def build_dataset(config: DataConfig, *, synthetic: SyntheticConfig, seed: int) -> Dataset:
-    """The dataset named by ``config.source``."""
+def _spec_path(config: DataConfig) -> Path | None:
+    """The spec file ``config.source`` names; None for ``synthetic`` and factories."""
     if config.source == "synthetic":
-        return SyntheticCriteo(synthetic, seed=seed)
+        return None
     spec_path = resolve_spec_path(config.source)
-    if spec_path is None and _FACTORY.match(config.source):
-        return _from_factory(config, seed)
-    if spec_path is None:
+    if spec_path is None and not _FACTORY.match(config.source):
         raise UserError(
             f"unknown data source {config.source!r}; valid: synthetic, a spec file or a name in "
             f"{DATASETS_DIR} ({', '.join(sorted(p.stem for p in DATASETS_DIR.glob('*.toml')))}), or module:function"
         )
+    return spec_path
+
+
+def check_source(config: DataConfig) -> None:
+    """Read and check the spec ``config.source`` names, touching no data (for the CLI, before workers).
+
+    Raises:
+        UserError: an unknown source, or a spec that is unreadable, not UTF-8, invalid TOML or unsafe.
+    """
+    if (spec_path := _spec_path(config)) is not None:
+        load_spec(spec_path)
+
+
+def build_dataset(config: DataConfig, *, synthetic: SyntheticConfig, seed: int) -> Dataset:
+    """The dataset named by ``config.source``."""
+    if config.source == "synthetic":
+        return SyntheticCriteo(synthetic, seed=seed)
+    spec_path = _spec_path(config)
+    if spec_path is None:
+        return _from_factory(config, seed)
     spec = load_spec(spec_path)
     if spec.format is Format.SYNTHETIC:
         try:

