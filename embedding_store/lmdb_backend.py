@@ -66,9 +66,30 @@ def _row_values(rows: np.ndarray, row_bytes: int) -> list[bytes]:
 _KEY, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
 
 
-def _map_error(err: lmdb.Error, what: str) -> StoreError:
+# LMDB reports a failed write of its pages as EIO ("Input/output error"), also when the disk is full; a
+# filesystem with less than this left is taken to be full.
+_FULL_DISK_FREE_BYTES = 64 << 20
+
+
+def _disk_full(path: str | os.PathLike[str] | None) -> bool:
+    """True when the filesystem holding ``path`` (or its nearest existing parent) is (nearly) full."""
+    if path is None:
+        return False
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < _FULL_DISK_FREE_BYTES
+
+
+def _map_error(err: lmdb.Error, what: str, path: str | os.PathLike[str] | None = None) -> StoreError:
     if isinstance(err, lmdb.MapFullError | lmdb.DiskError) or "No space left" in str(err):
-        return StoreFullError(f"{what}: {err}")
+        return StoreFullError(f"{what}: no space left on device ({err})")
+    if "Input/output error" in str(err) and _disk_full(path):
+        return StoreFullError(f"{what}: no space left on device on the filesystem of {path}")
     if isinstance(err, _CORRUPT):
         return StoreCorruptError(f"{what}: {err}")
     return StoreError(f"{what}: {err}")
@@ -336,15 +357,15 @@ class LmdbBackend:
             except lmdb.MapFullError as err:
                 self._grow(err, need_bytes, sum(len(pairs) for _, pairs in items))
             except lmdb.Error as err:
-                if isinstance(err, lmdb.DiskError) or "No space left" in str(err):
+                if isinstance(err, lmdb.DiskError) or "No space left" in str(err) or _disk_full(self._path):
                     raise StoreFullError(
-                        f"store {self._path} is full: the disk has no space for a write of {need_bytes} bytes"
+                        f"store {self._path} is full: no space left on device for a write of {need_bytes} bytes"
                     ) from err
                 raise _map_error(err, "write transaction failed") from err
             except OSError as err:
                 if err.errno == errno.ENOSPC:
                     raise StoreFullError(
-                        f"store {self._path} is full: the disk has no space for a write of {need_bytes} bytes"
+                        f"store {self._path} is full: no space left on device for a write of {need_bytes} bytes"
                     ) from err
                 raise StoreError(f"write transaction failed: {err}") from err
 
@@ -377,7 +398,7 @@ class LmdbBackend:
         try:
             self._env.sync(True)
         except lmdb.Error as err:
-            raise _map_error(err, "sync failed") from err
+            raise _map_error(err, f"sync of store {self._path} failed", self._path) from err
 
     def copy_to(self, dest: Path) -> None:
         """Write a compacted, consistent copy of the environment into the empty directory ``dest``.
@@ -398,7 +419,7 @@ class LmdbBackend:
             with self._rw.shared():
                 self._env.copy(str(dest), compact=True)
         except lmdb.Error as err:
-            raise _map_error(err, f"snapshot to {dest} failed") from err
+            raise _map_error(err, f"snapshot to {dest} failed", dest) from err
         finally:
             done.set()
             helper.join()

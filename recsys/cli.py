@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shlex
-import signal
 import sys
 import warnings
 from pathlib import Path
@@ -83,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Keep third-party chatter (planner hints, deprecations) out of the user's terminal."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -104,50 +103,9 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _worker(local_rank: int, nproc: int, port: int, config: object, out: Path, resume: bool) -> None:
-    """Entry point of a self-spawned worker process."""
-    import threading
-
-    from tqdm import tqdm
-
-    from recsys.distributed import set_local_rank_env
-
-    set_local_rank_env(local_rank, nproc, port)
-    _quiet_libraries()
-    # A thread lock for tqdm: its default also makes a multiprocessing lock (a named semaphore), which the
-    # os._exit below would leave for the resource tracker to report as leaked.
-    tqdm.set_lock(threading.RLock())
-    from recsys.errors import UserError
-    from recsys.train import run
-
-    try:
-        run(config, out, resume=resume)  # type: ignore[arg-type]
-    except UserError:
-        sys.exit(EXIT_USAGE)  # recorded by run(); the parent prints the first rank's message
-    # The run is finished: its files are written, its stores closed and its process groups destroyed.
-    # Leave without the interpreter's teardown, in which gloo's threads, still holding work objects,
-    # now and then abort a finished worker ("terminate called without an active exception", SIGABRT).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _report_first_failure(out: Path) -> int | None:
-    """Print the root cause of a failed multi-worker run (the earliest rank failure); its exit code."""
-    from recsys.failures import first_failure
-
-    failure = first_failure(out)
-    if failure is None:
-        return None
-    if failure.user:
-        return _fail(failure.message)
-    print(f"recsys: error: worker {failure.rank} failed: {failure.message}", file=sys.stderr)
-    return 1
-
-
 def _train(args: argparse.Namespace) -> int:
     from recsys.config import load_config
+    from recsys.data.source import check_source
     from recsys.distributed import free_port, launched_by_torchrun
     from recsys.errors import UserError
 
@@ -158,6 +116,7 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"train.nproc={args.nproc}")
     try:
         config = load_config(args.config, overrides)
+        check_source(config.data)  # a bad dataset spec fails here, before any worker starts
         if config.store.capacities_from:  # fail before spawning workers
             from recsys.store_config import load_tune
 
@@ -167,54 +126,26 @@ def _train(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / args.config.stem
     if args.resume and not (out / "checkpoints").is_dir():
         return _fail(f"--resume: no checkpoints in {out}")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        return _fail(f"cannot create run directory {out}: {err.strerror}")
-    log = logging.getLogger("recsys")
-
     if launched_by_torchrun():
+        from recsys.lifetime import RunStopped
         from recsys.train import run
 
         try:
             summary = run(config, out, resume=args.resume)
         except UserError as err:
             return _fail(str(err))
+        except RunStopped as stop:
+            print(f"recsys: {stop}", file=sys.stderr)
+            return stop.exit_code
     else:
-        import torch.multiprocessing as mp
+        from recsys.launch import launch
 
-        from recsys.failures import clear_failures
-
-        nproc = config.train.nproc
-        log.info("spawning %d local worker(s); run directory %s", nproc, out)
-        clear_failures(out)
         try:
-            mp.start_processes(
-                _worker,
-                args=(nproc, free_port(), config, out, args.resume),
-                nprocs=nproc,
-                start_method="spawn",
-            )
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
-            killed = isinstance(err, mp.ProcessExitedException) and err.exit_code < 0
-            if killed and not (out / f".failed_rank_{err.error_index}.json").exists():
-                # Killed by a signal (OOM killer, kill -9): the other ranks' errors are only its echo.
-                name = signal.Signals(-err.exit_code).name if -err.exit_code in signal.valid_signals() else ""
-                print(
-                    f"recsys: error: worker {err.error_index} was killed by signal {-err.exit_code} {name}".rstrip(),
-                    file=sys.stderr,
-                )
-                return 1
-            if (code := _report_first_failure(out)) is not None:
-                return code
-            if isinstance(err, mp.ProcessRaisedException):
-                last = str(err).strip().splitlines()[-1]
-                print(f"recsys: error: worker {err.error_index} failed: {last}", file=sys.stderr)
-                return 1
-            print(
-                f"recsys: error: worker {err.error_index} exited with code {err.exit_code}", file=sys.stderr
-            )
-            return EXIT_USAGE if err.exit_code == EXIT_USAGE else 1
+            code = launch(config, out, resume=args.resume, port=free_port())
+        except UserError as err:
+            return _fail(str(err))
+        if code:
+            return code
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     if summary is not None:
@@ -292,7 +223,7 @@ def _tune_cache(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
-    _quiet_libraries()
+    quiet_libraries()
     if args.command == "train":
         return _train(args)
     if args.command == "preprocess":

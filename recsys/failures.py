@@ -2,24 +2,28 @@
 
 When one rank of a job fails, the others fail soon after with secondary errors (a gloo peer closed the
 connection, a collective timed out) or are terminated by the launcher; the launcher may notice any of
-them first. Each rank therefore records its failure — time, kind and one-line message — in
-``<run>/.failed_rank_<r>.json`` the moment it stops, before it tears down its process group; the CLI
-reports the earliest record, which is the root cause.
+them first. Each rank therefore records its failure — time, kind and one-line message — the moment it
+stops, before it tears down its process group; the CLI reports the earliest record, which is the root
+cause. Records go to the local launcher through a pipe (:func:`set_failure_channel`), which works when the
+run directory's disk is full, and to ``<run>/.failed_rank_<r>.json`` for anyone else (torchrun users).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from recsys.errors import UserError
 
-__all__ = ["Failure", "clear_failures", "first_failure", "record_failure"]
+__all__ = ["Failure", "clear_failures", "first_failure", "record_failure", "set_failure_channel"]
 
 _PATTERN = ".failed_rank_*.json"
+# Where this process also sends its failure record: a multiprocessing Connection to the launcher, or None.
+_channel: Any = None
 
 
 class Failure(NamedTuple):
@@ -36,6 +40,12 @@ def _one_line(err: BaseException) -> str:
     return text if isinstance(err, UserError) else f"{type(err).__name__}: {text}"
 
 
+def set_failure_channel(channel: Any) -> None:
+    """Send this process's failure records to ``channel`` (a ``multiprocessing`` Connection) as well."""
+    global _channel
+    _channel = channel
+
+
 def record_failure(out_dir: Path, rank: int, err: BaseException) -> None:
     """Record this rank's failure (best effort: a failure to record is ignored)."""
     record = {
@@ -44,6 +54,9 @@ def record_failure(out_dir: Path, rank: int, err: BaseException) -> None:
         "user": isinstance(err, UserError),
         "message": _one_line(err),
     }
+    if _channel is not None:
+        with contextlib.suppress(OSError, ValueError):
+            _channel.send((rank, record["time_s"], record["user"], record["message"]))
     try:
         tmp = out_dir / f".failed_rank_{rank}.json.tmp"
         tmp.write_text(json.dumps(record))

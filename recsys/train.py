@@ -6,6 +6,7 @@ Rank 0 owns the run directory: ``metrics.jsonl``, ``summary.json`` and the check
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
@@ -26,12 +27,14 @@ from recsys.config import RunConfig, config_to_dict
 from recsys.data.batch import Batch
 from recsys.data.source import build_dataset
 from recsys.digest import dense_rows, model_digest
-from recsys.distributed import DistEnv, init_distributed
-from recsys.errors import UserError
+from recsys.distributed import DistEnv, init_distributed, launched_by_torchrun
+from recsys.errors import UserError, no_space_left
 from recsys.failures import record_failure
-from recsys.metrics import MetricsLog, auc_logloss, write_json
+from recsys.lifetime import RunStopped, die_with_parent, stop_signal
+from recsys.metrics import MetricsLog, auc_logloss, rewind_metrics, write_json
 from recsys.models import TrainModel, build_model, table_configs
-from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
+from recsys.runlock import lock_run_dir
+from recsys.sharding import build_optimizer, init_embedding_rows, local_shards, shard_model
 from recsys.sparse import ShardingKind
 from recsys.store_config import load_tune, resolve_capacities
 from recsys.tiered import EVAL, TieredTables, row_bytes, tiered_feed
@@ -91,6 +94,8 @@ class Trainer:
             0 if f in tiered or space <= rows else rows
             for f, space, rows in zip(features, self.data.id_spaces, num_embeddings, strict=True)
         ]
+        if env.is_main:
+            _warn_folded(cfg, features, self.data.id_spaces, self.fold)
         self.tables = table_configs(features, dim=cfg.model.table_dim, num_embeddings=num_embeddings)
         torch.manual_seed(cfg.train.seed)
         windows = cfg.pipeline.frozen_windows
@@ -110,6 +115,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.dmp, cfg.train)
         self.dense_optimizer = self.optimizer.optimizers[1][1]
         self.step = 0
+        self._saved_step = -1  # the step of the last checkpoint this process wrote
+        self._dense: list[tuple[str, torch.nn.Parameter]] | None = None
         # Store counters of evaluation batches and, at the end of training, of the training batches alone.
         self._eval_counters: dict[str, torch.Tensor] = {}
         self._train_counters: dict[str, torch.Tensor] = {}
@@ -228,6 +235,8 @@ class Trainer:
             elif self.tiered is not None:  # rows re-partitioned by this run's ownership
                 reshard = sorted(path.glob("store_rank_*"))
             if self.env.is_main:
+                with writing(self.out_dir / "metrics.jsonl"):
+                    rewind_metrics(self.out_dir / "metrics.jsonl", self.step)  # steps after it run again
                 log.info("resumed from %s (step %d)", path, self.step)
                 if old_world != self.env.world_size:
                     log.info(
@@ -254,14 +263,75 @@ class Trainer:
 
     def save(self) -> None:
         tiered = self.tiered
-        save_checkpoint(
-            self.checkpoint_root,
-            step=self.step,
-            dmp=self.dmp,
-            dense_optimizer=self.dense_optimizer,
-            keep=self.config.train.keep_checkpoints,
-            extra=None if tiered is None else lambda path: tiered.snapshot(self._store_snapshot(path)),
+        with writing(self.checkpoint_root):
+            save_checkpoint(
+                self.checkpoint_root,
+                step=self.step,
+                dmp=self.dmp,
+                dense_optimizer=self.dense_optimizer,
+                keep=self.config.train.keep_checkpoints,
+                extra=None if tiered is None else lambda path: tiered.snapshot(self._store_snapshot(path)),
+            )
+        self._saved_step = self.step
+
+    # -- health: non-finite values and stop signals -----------------------------------------------
+
+    def _dense_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        if self._dense is None:
+            self._dense = [
+                (name, p) for name, p in self.dmp.named_parameters() if "embedding_bags." not in name
+            ]
+        return self._dense
+
+    @torch.no_grad()
+    def _nonfinite(self, loss: float, *, rows: bool) -> str:
+        """The first non-finite quantity of this rank after a step ('' when all are finite).
+
+        Every step: the loss, then the dense gradients (their largest magnitudes, one fused op). With
+        ``rows`` (every ``train.log_every`` steps and before a checkpoint) also every embedding row held
+        in memory on this rank: plain tables and the tiered tables' device slots.
+        """
+        if not math.isfinite(loss):
+            return f"the loss ({loss})"
+        grads = [(n, p.grad) for n, p in self._dense_params() if p.grad is not None]
+        if grads:
+            peaks = torch.stack(torch._foreach_norm([g for _, g in grads], math.inf))
+            if not bool(torch.isfinite(peaks).all()):
+                bad = int((~torch.isfinite(peaks)).nonzero()[0, 0])
+                return f"the gradient of dense parameter {grads[bad][0]}"
+        if rows:
+            for shard in local_shards(self.dmp, self.tables):
+                bad_rows = (~torch.isfinite(shard.weight)).any(dim=1).nonzero()
+                if bad_rows.numel():
+                    kind = "slot" if self.tiered is not None and shard.table in self.tiered.names else "row"
+                    return f"{kind} {int(bad_rows[0, 0]) + shard.row_offset} of embedding table {shard.table}"
+        return ""
+
+    def _check_step(self, loss: float) -> None:
+        """After every step (collective): stop on a non-finite value, or on SIGTERM/SIGINT after a checkpoint."""
+        tcfg = self.config.train
+        rows = self.step % tcfg.log_every == 0 or bool(
+            tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0
         )
+        problem = self._nonfinite(loss, rows=rows or bool(stop_signal.signum))
+        flags = torch.tensor([stop_signal.signum, int(bool(problem))], dtype=torch.int64)
+        if self.env.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[1]:
+            found = [problem]
+            if self.env.world_size > 1:
+                found = [""] * self.env.world_size
+                dist.all_gather_object(found, problem)
+            rank, what = next((r, p) for r, p in enumerate(found) if p)
+            raise UserError(
+                f"training diverged at step {self.step}: {what} on rank {rank} is not finite; lower "
+                f"train.dense_learning_rate ({self.config.train.dense_learning_rate}) or "
+                f"sparse.learning_rate ({self.config.sparse.learning_rate}), or check the input data"
+            )
+        if flags[0]:
+            if self._saved_step != self.step:
+                self.save()
+            raise RunStopped(int(flags[0]), self.step)
 
     def digest(self) -> str:
         tiered = set() if self.tiered is None else set(self.tiered.names)
@@ -402,8 +472,17 @@ class Trainer:
             self.dmp, self.optimizer, self.env.device, execute_all_batches=True
         )
         batches, feed = self._feed(self.step, tcfg.steps)
+        bar = tqdm(
+            total=tcfg.steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            disable=not self.env.is_main,
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
         try:
-            return self._loop(pipeline, batches, feed, metrics)
+            return self._loop(pipeline, batches, feed, metrics, bar)
         except (StageFailed, StoreCapacityError, StoreFullError) as err:
             cause = err.__cause__ if isinstance(err, StageFailed) else err
             if isinstance(cause, StoreFullError):
@@ -416,10 +495,12 @@ class Trainer:
                 ) from err
             raise
         finally:
+            bar.close()  # ends the bar's line before any error message
             if feed is not None:
                 feed.close()
                 if self.env.is_main and self.config.pipeline.trace_batches:
-                    feed.write_trace(self.out_dir / "trace.json")
+                    with writing(self.out_dir / "trace.json"):
+                        feed.write_trace(self.out_dir / "trace.json")
                 self.pipeline_stats = feed.stats()
 
     def _loop(
@@ -428,18 +509,10 @@ class Trainer:
         batches: Iterator[Batch],
         feed: StagedPipeline | None,
         metrics: MetricsLog,
+        bar: tqdm,
     ) -> dict[str, Any]:
         cfg = self.config
         tcfg = cfg.train
-        bar = tqdm(
-            total=tcfg.steps,
-            initial=self.step,
-            desc="train",
-            unit="step",
-            disable=not self.env.is_main,
-            dynamic_ncols=True,
-            mininterval=1.0,
-        )
         train_time = 0.0
         trained_samples = 0
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
@@ -455,7 +528,9 @@ class Trainer:
             train_time += time.perf_counter() - t0
             self.step += 1
             trained_samples += tcfg.batch_size
-            window_loss += float(loss)
+            loss_value = float(loss)
+            self._check_step(loss_value)
+            window_loss += loss_value
             window_steps += 1
             bar.update(1)
             if self.step % tcfg.log_every == 0 or self.step == tcfg.steps:
@@ -479,11 +554,13 @@ class Trainer:
                             bar.write(f"WARNING: {message}")
                             log.warning(message)
                 bar.set_postfix(postfix)
-                metrics.write(kind="train", step=self.step, loss=mean_loss, samples_per_s=rate, **extra)
+                with writing(metrics.path):
+                    metrics.write(kind="train", step=self.step, loss=mean_loss, samples_per_s=rate, **extra)
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < tcfg.steps:
                 auc, logloss = self.evaluate(pipeline)
-                metrics.write(kind="eval", step=self.step, auc=auc, logloss=logloss)
+                with writing(metrics.path):
+                    metrics.write(kind="eval", step=self.step, auc=auc, logloss=logloss)
                 if self.env.is_main:
                     bar.write(f"step {self.step}: eval auc {auc:.4f} logloss {logloss:.4f}")
                 window_start = time.perf_counter()
@@ -498,18 +575,53 @@ class Trainer:
             }
         # Drain the pipeline's prefetched batches (none remain: the iterator stops at train.steps).
         auc, logloss = self.evaluate(pipeline)
-        metrics.write(kind="eval", step=self.step, auc=auc, logloss=logloss)
+        with writing(metrics.path):
+            metrics.write(kind="eval", step=self.step, auc=auc, logloss=logloss)
         if tcfg.checkpoint_every:
             self.save()
         result.update(
             auc=auc,
             logloss=logloss,
             steps=self.step,
-            samples=trained_samples,
+            samples=self.step * tcfg.batch_size,  # the whole run's, resumed parts included
+            samples_this_process=trained_samples,
             samples_per_s=trained_samples / train_time if train_time else math.nan,
             train_seconds=train_time,
         )
         return result
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Turn a full disk while writing ``path`` into one line naming it (exit 2 at the CLI)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        if no_space_left(err) is None:
+            raise
+        raise UserError(
+            f"no space left on device writing {path}; free disk space, then continue with --resume"
+        ) from err
+
+
+def _warn_folded(cfg: RunConfig, features: list[str], spaces: list[int], fold: list[int]) -> None:
+    """One warning when an untiered run folds ids that its tiered twin would keep apart."""
+    if cfg.store.tiered:
+        return
+    candidates = set(cfg.store.tables) or set(features)
+    folded = [
+        f"{f} ({space:,} ids)"
+        for f, space, m in zip(features, spaces, fold, strict=True)
+        if m and f in candidates
+    ]
+    if folded:
+        log.warning(
+            "store.tiered=false: %s fold their ids modulo sparse.max_rows_per_table=%d (hash collisions), so "
+            "this run trains a different model than store.tiered=true and the digests differ; digests agree "
+            "when every id space fits in sparse.max_rows_per_table",
+            ", ".join(folded),
+            cfg.sparse.max_rows_per_table,
+        )
 
 
 def _start_fresh(out_dir: Path) -> None:
@@ -526,68 +638,105 @@ def _start_fresh(out_dir: Path) -> None:
         shutil.rmtree(ckpts)
 
 
-def run(config: RunConfig, out_dir: Path, *, resume: bool = False) -> dict[str, Any] | None:
-    """Train on this process's rank; rank 0 writes the run directory and returns the summary."""
+def _lock_run_dir(out_dir: Path, env: DistEnv) -> contextlib.AbstractContextManager[Any]:
+    """Rank 0 locks the run directory; every rank fails together when it is in use (collective)."""
+    lock: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    refusal = None
+    if env.is_main:
+        try:
+            lock = lock_run_dir(out_dir)
+        except UserError as err:
+            refusal = str(err)
+    refusals = [refusal]
+    if env.world_size > 1:
+        refusals = [None] * env.world_size
+        dist.all_gather_object(refusals, refusal)
+    if refusals[0] is not None:
+        raise UserError(refusals[0])
+    return lock
+
+
+def run(
+    config: RunConfig, out_dir: Path, *, resume: bool = False, lock_run: bool = True
+) -> dict[str, Any] | None:
+    """Train on this process's rank; rank 0 writes the run directory and returns the summary.
+
+    ``lock_run``: rank 0 takes the run directory's lock (False when the launcher holds it). SIGTERM and
+    SIGINT stop the run after the current step, with a checkpoint, by raising :class:`RunStopped`.
+    """
+    if launched_by_torchrun():
+        die_with_parent()  # torchrun's agent: an orphaned worker would keep training and the store locked
     env = init_distributed(
         threads_per_rank=config.train.threads_per_rank, timeout_s=config.train.collective_timeout_s
     )
     trainer: Trainer | None = None
     try:
-        started = time.perf_counter()
-        trainer = Trainer(config, env, out_dir=out_dir)
-        if env.is_main:
-            log.info(
-                "%s on %d rank(s) [%s, %s], %d tables, %s sharding, %s",
-                config.model.name.value,
-                env.world_size,
-                env.backend,
-                env.device.type,
-                len(trainer.tables),
-                config.sparse.sharding.value,
-                config.sparse.optimizer.value,
-            )
-        if not resume and env.is_main:
-            _start_fresh(out_dir)
-        if env.world_size > 1:
-            dist.barrier()
-        trainer.start(resume=resume)
-        metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=env.is_main)
-        summary = trainer.fit(metrics)
-        digest = trainer.digest()
-        tiers: dict[str, Any] = trainer.tier_stats()
-        tier_warnings: list[str] = []
-        if trainer.tiered is not None:
-            rates, tier_warnings = trainer.tier_rates()
-            for name, values in rates.items():
-                tiers.setdefault(name, {}).update(values)
+        with _lock_run_dir(out_dir, env) if lock_run else contextlib.nullcontext(), stop_signal.catching():
+            started = time.perf_counter()
+            trainer = Trainer(config, env, out_dir=out_dir)
             if env.is_main:
-                for message in tier_warnings:
-                    log.warning(message)
-        trainer.close()
-        summary.update(
-            model=config.model.name.value,
-            world_size=env.world_size,
-            backend=env.backend,
-            device=env.device.type,
-            model_digest=digest,
-            tiered=trainer.tiered is not None,
-            tiers=tiers,
-            warnings=tier_warnings,
-            pipeline=trainer.pipeline_stats,
-            wall_seconds=time.perf_counter() - started,
-            resumed=resume,
-            config=config_to_dict(config),
-            versions={"torch": torch.__version__},
-        )
-        if env.is_main:
-            write_json(out_dir / "summary.json", summary)
+                log.info(
+                    "%s on %d rank(s) [%s, %s], %d tables, %s sharding, %s",
+                    config.model.name.value,
+                    env.world_size,
+                    env.backend,
+                    env.device.type,
+                    len(trainer.tables),
+                    config.sparse.sharding.value,
+                    config.sparse.optimizer.value,
+                )
+            if not resume and env.is_main:
+                _start_fresh(out_dir)
+            if env.world_size > 1:
+                dist.barrier()
+            trainer.start(resume=resume)
+            metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=env.is_main)
+            summary = trainer.fit(metrics)
+            digest = trainer.digest()
+            tiers: dict[str, Any] = trainer.tier_stats()
+            tier_warnings: list[str] = []
+            if trainer.tiered is not None:
+                rates, tier_warnings = trainer.tier_rates()
+                for name, values in rates.items():
+                    tiers.setdefault(name, {}).update(values)
+                if env.is_main:
+                    for message in tier_warnings:
+                        log.warning(message)
+            trainer.close()
+            summary.update(
+                model=config.model.name.value,
+                world_size=env.world_size,
+                backend=env.backend,
+                device=env.device.type,
+                model_digest=digest,
+                tiered=trainer.tiered is not None,
+                tiers=tiers,
+                warnings=tier_warnings,
+                pipeline=trainer.pipeline_stats,
+                wall_seconds=time.perf_counter() - started,
+                resumed=resume,
+                config=config_to_dict(config),
+                versions={"torch": torch.__version__},
+            )
+            if not env.is_main:
+                return None
+            with writing(out_dir / "summary.json"):
+                write_json(out_dir / "summary.json", summary)
             return summary
-        return None
+    except RunStopped:
+        raise
     except StoreFullError as err:  # outside the training loop: a final flush, or the digest's read
         full = UserError(f"{err}; raise store.max_lmdb_bytes or free disk space")
         record_failure(out_dir, env.rank, full)
         raise full from err
     except BaseException as err:
+        if (cause := no_space_left(err)) is not None and not isinstance(err, UserError):
+            where = cause.filename or out_dir
+            full = UserError(
+                f"no space left on device writing {where}; free disk space, then continue with --resume"
+            )
+            record_failure(out_dir, env.rank, full)
+            raise full from err
         record_failure(out_dir, env.rank, err)  # before the teardown makes the other ranks fail too
         raise
     finally:

@@ -81,7 +81,11 @@ def test_second_run_on_a_store_in_use_is_refused(tmp_path, cli_env, python, repo
             time.sleep(0.05)
         assert checkpoint.exists(), "the first run must write a checkpoint"
         holder = (out / "store" / "rank_0.lock").read_text().strip()
-        second = subprocess.run(cmd, cwd=repo_root, env=cli_env, capture_output=True, text=True, timeout=240)
+        # Another run directory (the same one is refused by the run lock first), the first run's store.
+        other = [*cmd[:-1], str(tmp_path / "other"), "--set", f"store.path={out / 'store'}"]
+        second = subprocess.run(
+            other, cwd=repo_root, env=cli_env, capture_output=True, text=True, timeout=240
+        )
         assert first.poll() is None, "the first run must still hold the store"
         assert second.returncode == 2
         lines = second.stderr.strip().splitlines()
