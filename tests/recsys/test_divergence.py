@@ -1,0 +1,101 @@
+"""A run whose loss, dense gradients or embedding rows become non-finite stops with one line naming them."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsys.config import config_from_dict
+from tests.multiprocess import run_ranks
+from tests.recsys.tiny import run_train, tiny_config
+
+SMALL = [
+    "synthetic.num_sparse=2",
+    "synthetic.id_spaces=[50, 40]",
+    "model.embedding_dim=8",
+    "model.dense_arch=[16, 8]",
+    "model.over_arch=[16]",
+    "train.batch_size=64",
+]
+
+
+def test_a_diverging_run_stops_with_one_line_naming_the_step_and_the_loss(tmp_path, cli_env):
+    config = tmp_path / "c.toml"
+    config.write_text(
+        tiny_config(train={"steps": 60, "nproc": 2, "log_every": 10, "dense_learning_rate": 1e30})
+    )
+    proc = run_train(config, tmp_path / "run", env=cli_env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"recsys: error: training diverged at step \d+: the loss \((nan|inf|-inf)\) on rank [01] is not finite; "
+        r"lower train\.dense_learning_rate \(1e\+30\) or sparse\.learning_rate \(0\.05\), or check the input data",
+        last,
+    ), last
+    assert not (tmp_path / "run" / "summary.json").exists()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        json.loads(line, parse_constant=lambda token: pytest.fail(f"non-JSON token {token}"))
+
+
+def _found(rank: int, world_size: int, tiered: bool) -> dict[str, str]:
+    """What ``_nonfinite`` names after each kind of poisoning, on a freshly built model."""
+    from recsys.distributed import init_distributed
+    from recsys.sharding import local_shards
+    from recsys.train import Trainer
+
+    cfg = config_from_dict({}, [*SMALL, f"train.nproc={world_size}", f"store.tiered={str(tiered).lower()}"])
+    trainer = Trainer(cfg, init_distributed(threads_per_rank=1), out_dir=Path(tempfile.mkdtemp()))
+    found = {"clean": trainer._nonfinite(0.5, rows=True), "loss": trainer._nonfinite(math.nan, rows=True)}
+    with torch.no_grad():
+        shard = next(s for s in local_shards(trainer.dmp, trainer.tables) if s.table == "t_cat_1")
+        shard.weight[7, 3] = math.inf
+        found["row, not scanned"] = trainer._nonfinite(0.5, rows=False)
+        found["row"] = trainer._nonfinite(0.5, rows=True)
+        shard.weight[7, 3] = 0.0
+        name, param = trainer._dense_params()[2]
+        param.grad = torch.zeros_like(param)
+        param.grad.view(-1)[0] = math.nan
+        found["gradient"] = trainer._nonfinite(0.5, rows=False)
+        found["gradient name"] = name
+    return found
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_the_first_non_finite_quantity_is_named(tiered):
+    (found,) = run_ranks(world_size=1, fn=_found, arg=tiered)
+    assert found["clean"] == ""
+    assert found["loss"] == "the loss (nan)"
+    assert found["row, not scanned"] == ""
+    assert found["row"] == f"{'slot' if tiered else 'row'} 7 of embedding table t_cat_1"
+    assert found["gradient"] == f"the gradient of dense parameter {found['gradient name']}"
+
+
+def _agreed(rank: int, world_size: int, _arg: None) -> str:
+    """Only rank 1 sees a non-finite loss; every rank must stop with the same message."""
+    from recsys.distributed import init_distributed
+    from recsys.errors import UserError
+    from recsys.train import Trainer
+
+    cfg = config_from_dict({}, [*SMALL, f"train.nproc={world_size}"])
+    trainer = Trainer(cfg, init_distributed(threads_per_rank=1), out_dir=None)  # type: ignore[arg-type]
+    trainer.step = 12
+    trainer._check_step(0.5)  # nobody sees a problem: no error
+    try:
+        trainer._check_step(math.inf if rank == 1 else 0.5)
+    except UserError as err:
+        return str(err)
+    return ""
+
+
+def test_all_ranks_stop_together_when_one_rank_sees_a_non_finite_loss():
+    messages = run_ranks(world_size=2, fn=_agreed)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("training diverged at step 12: the loss (inf) on rank 1 is not finite")
