@@ -616,7 +616,7 @@ def _warn_folded(cfg: RunConfig, features: list[str], spaces: list[int], fold: l
     ]
     if folded:
         log.warning(
-            "store.tiered=false: %s fold their ids modulo sparse.max_rows_per_table=%d (hash collisions), so "
+            "store.tiered=false: the in-memory tables of %s fold ids modulo sparse.max_rows_per_table=%d (hash collisions), so "
             "this run trains a different model than store.tiered=true and the digests differ; digests agree "
             "when every id space fits in sparse.max_rows_per_table",
             ", ".join(folded),

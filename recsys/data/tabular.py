@@ -102,6 +102,19 @@ class TextTable:
         return out
 
 
+def sparse_ids(table: Table, column: str, feature: SparseSpec, problems: Problems) -> Jagged:
+    """A sparse feature's ids from one column, inside the feature's declared id space.
+
+    Hashed tokens are folded into a declared ``id_space`` (modulo, so distinct tokens may share an id);
+    the model's tables are sized by it in tiered and untiered runs alike. Integer and hexadecimal ids
+    outside it are errors (reported per ``on_error``) by the table's own parser.
+    """
+    ids = table.sparse(column, feature, problems)
+    if feature.kind is SparseKind.TOKEN and feature.id_space:
+        return Jagged(ids.values % feature.id_space, ids.lengths)
+    return ids
+
+
 class ArrowTable:
     """A Parquet record batch (pyarrow): numeric columns as they are, string columns hashed."""
 
@@ -227,7 +240,7 @@ class SideTable:
         for s in spec.sparse:
             column = s.column or s.name
             if column in self.columns and column != on:
-                j = table.sparse(column, s, problems)
+                j = sparse_ids(table, column, s, problems)
                 # One extra empty row at index n: what a row without a match gets.
                 self.sparse[s.name] = Jagged(j.values, np.append(j.lengths, 0))
         self.missing_row = n
@@ -300,7 +313,7 @@ def to_block(
     for s in spec.sparse:
         column = s.column or s.name
         if column in table.columns:
-            ids.append(table.sparse(column, s, problems))
+            ids.append(sparse_ids(table, column, s, problems))
             continue
         found = side_of(column)
         if found is None:
