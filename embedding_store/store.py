@@ -394,14 +394,28 @@ class TieredStore:
     def snapshot(self, dest: str | os.PathLike[str]) -> None:
         """Flush, then write a compacted copy of the store into the new directory ``dest``.
 
-        Open it with ``restore_snapshot(dest, path)`` followed by ``TieredStore(path, ...)``.
+        The copy is written into the sibling ``.{name}.tmp``, fsynced, renamed to ``dest`` and the parent
+        fsynced: ``dest`` exists only once it is complete and durable. Open it with
+        ``restore_snapshot(dest, path)`` followed by ``TieredStore(path, ...)``.
+
+        Raises:
+            FileExistsError: ``dest`` exists.
         """
         dest = Path(dest)
+        if os.path.lexists(dest):
+            raise FileExistsError(f"snapshot destination {dest} exists")
+        tmp = dest.with_name(f".{dest.name}.tmp")
         with self._lock:
             self.flush()
-            dest.mkdir(parents=True, exist_ok=False)
-            self._backend.copy_to(dest)
-            _fsync(dest / "data.mdb")
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a snapshot that was killed
+            tmp.mkdir(parents=True)
+            try:
+                self._backend.copy_to(tmp)
+                _fsync(tmp / "data.mdb")
+                _publish(tmp, dest)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
 
     def counters(self) -> dict[str, dict[Tier, TierStats]]:
         """A copy of the per-table, per-tier counters, taken without waiting for the store lock.
@@ -471,6 +485,7 @@ def _chunk(spec: TableSpec, ids: np.ndarray, rows: np.ndarray) -> RowChunk:
 
 
 def _fsync(path: Path) -> None:
+    """fsync a file, or a folder (which makes the renames and new entries inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -478,15 +493,31 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _publish(tmp: Path, final: Path) -> None:
+    """fsync ``tmp`` (a file, or a folder whose files are fsynced), rename it to ``final``, fsync the parent."""
+    _fsync(tmp)
+    tmp.rename(final)
+    _fsync(final.parent)
+
+
 def restore_snapshot(snapshot: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
-    """Copy a snapshot written by ``TieredStore.snapshot`` into ``path``, which must hold no store."""
+    """Copy a snapshot written by ``TieredStore.snapshot`` into ``path``, which must hold no store.
+
+    The copy is written under a temporary name, fsynced and renamed: no partial ``data.mdb`` ever opens.
+    """
     src, dst = Path(snapshot), Path(path)
     if not (src / "data.mdb").is_file():
         raise StoreError(f"{src} is not a store snapshot (no data.mdb)")
     if (dst / "data.mdb").exists():
         raise StoreError(f"{dst} already holds a store; restore into an empty directory")
     dst.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src / "data.mdb", dst / "data.mdb")
+    tmp = dst / ".data.mdb.tmp"
+    try:
+        shutil.copyfile(src / "data.mdb", tmp)
+        _publish(tmp, dst / "data.mdb")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def restore_resharded(

@@ -1,4 +1,5 @@
-"""Durability (DESIGN invariant 5): SIGKILL after flush, the lock file, and a full LMDB map."""
+"""Durability (DESIGN invariant 5): SIGKILL after flush, the lock file, a full LMDB map, and snapshots
+written under a temporary name."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from embedding_store import (
     StoreLockedError,
     TableSpec,
     TieredStore,
+    restore_snapshot,
 )
 
 CHILD = Path(__file__).with_name("es_child.py")
@@ -131,3 +133,79 @@ def test_full_map_raises_store_full_and_reopens_with_flushed_rows(tmp_path: Path
         np.testing.assert_array_equal(got["ids"][keep], flushed["ids"])  # every flushed row is there
         assert (bits(got["weights"][keep]) == bits(flushed["weights"])).all()
         assert (bits(got["state"][keep]) == bits(flushed["state"])).all()
+
+
+def _trained_store(path: Path) -> TieredStore:
+    store, weights, state = es_child.open_store(str(path))
+    rng = np.random.default_rng(3)
+    for batch in range(12):  # more ids than the 16 slots + 8 host rows: some rows reach LMDB
+        es_child.train(store, weights, state, rng.integers(0, 60, size=10), batch)
+    return store
+
+
+def test_snapshot_is_written_under_a_temporary_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import embedding_store.store as store_module
+    from embedding_store.lmdb_backend import LmdbBackend
+
+    store = _trained_store(tmp_path / "store")
+    dest, tmp = tmp_path / "ckpt" / "snap", tmp_path / "ckpt" / ".snap.tmp"
+    real_copy = LmdbBackend.copy_to
+
+    def copy_then_fail(self: LmdbBackend, where: Path) -> None:
+        real_copy(self, where)  # the whole copy is written: only the rename is missing
+        assert where == tmp and (where / "data.mdb").stat().st_size > 0 and not dest.exists()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LmdbBackend, "copy_to", copy_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        store.snapshot(dest)
+    assert not dest.exists() and not tmp.exists()
+    monkeypatch.undo()
+
+    tmp.mkdir()  # left by a snapshot that was killed: replaced, never published
+    (tmp / "stale").write_bytes(b"x")
+    synced: list[tuple[Path, bool]] = []
+    real_fsync = store_module._fsync
+
+    def fsync(path: Path) -> None:
+        synced.append((path, dest.exists()))
+        real_fsync(path)
+
+    monkeypatch.setattr(store_module, "_fsync", fsync)
+    store.snapshot(dest)
+    # data.mdb and the temporary folder are durable before the rename, the parent after it
+    assert synced == [(tmp / "data.mdb", False), (tmp, False), (dest.parent, True)]
+    assert sorted(p.name for p in dest.iterdir()) == ["data.mdb"] and not tmp.exists()
+    with pytest.raises(FileExistsError):
+        store.snapshot(dest)
+    expected = _rows(store)
+    store.close()
+    synced.clear()
+    restore_snapshot(dest, tmp_path / "restored")
+    assert synced == [(tmp_path / "restored" / ".data.mdb.tmp", True), (tmp_path / "restored", True)]
+    with TieredStore(tmp_path / "restored", config=es_child.CONFIG, tables=[es_child.SPEC]) as restored:
+        got = _rows(restored)
+    np.testing.assert_array_equal(got["ids"], expected["ids"])
+    assert (bits(got["weights"]) == bits(expected["weights"])).all()
+    assert (bits(got["state"]) == bits(expected["state"])).all()
+
+
+def test_failed_restore_leaves_no_data_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    store = _trained_store(tmp_path / "store")
+    store.snapshot(tmp_path / "snap")
+    store.close()
+    real_copyfile = shutil.copyfile
+
+    def half_copy(src: Path, dst: Path) -> None:
+        Path(dst).write_bytes(Path(src).read_bytes()[:4096])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", half_copy)
+    with pytest.raises(OSError, match="No space left"):
+        restore_snapshot(tmp_path / "snap", tmp_path / "restored")
+    assert list((tmp_path / "restored").iterdir()) == []  # no partial data.mdb, no temporary file
+    monkeypatch.setattr(shutil, "copyfile", real_copyfile)
+    restore_snapshot(tmp_path / "snap", tmp_path / "restored")  # the directory is still usable
+    assert (tmp_path / "restored" / "data.mdb").read_bytes() == (tmp_path / "snap" / "data.mdb").read_bytes()
