@@ -21,6 +21,7 @@ their id spaces and multi-hot layout, the label and how to derive it) and the sp
 from __future__ import annotations
 
 import enum
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -52,6 +53,7 @@ __all__ = [
 
 DATASETS_DIR = Path(__file__).resolve().parents[2] / "datasets"
 HASHED_ID_SPACE = 1 << 63
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class Format(enum.Enum):
@@ -91,6 +93,15 @@ class DenseSpec:
             raise ValueError(
                 f"dense feature {self.name!r}: invalid must be 'error' or 'missing', got {self.invalid!r}"
             )
+        for key in ("shift", "scale", "fill"):
+            value = getattr(self, key)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or abs(value) > _FLOAT32_MAX
+            ):
+                raise ValueError(f"dense feature {self.name!r}: {key} must be a finite number, got {value!r}")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

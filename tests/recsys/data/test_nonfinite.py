@@ -10,6 +10,7 @@ written out by hand from the input rows.
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -378,3 +379,15 @@ def test_preprocess_write_npy_refuses_nonfinite_values(tmp_path):
     )
     with pytest.raises(UserError, match="row 1 has a dense value that is not finite"):
         write_npy([block], tmp_path / "x", num_rows=2, num_dense=1, num_sparse=1)
+
+
+@pytest.mark.parametrize("key", ["fill", "shift", "scale"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 1e39, True])
+def test_a_spec_whose_dense_constants_are_not_finite_is_refused(key, value):
+    from recsys.data.spec import spec_from_dict
+
+    tree = {"name": "x", "format": "csv", "sparse": [{"name": "a"}], "dense": [{"name": "d", key: value}]}
+    with pytest.raises(
+        UserError, match=rf"dense feature 'd': {key} must be a finite number, got {re.escape(repr(value))}"
+    ):
+        spec_from_dict(tree)
