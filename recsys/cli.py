@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume", action="store_true", help="continue from the newest complete checkpoint in --out"
     )
+    train.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue even though settings that change the model differ from the checkpoint's",
+    )
     prep = sub.add_parser("preprocess", help="convert Criteo TSV files to TorchRec's npy layout")
     prep.add_argument("inputs", nargs="+", type=Path, help="Criteo TSV files (plain or .gz)")
     prep.add_argument("--out", required=True, type=Path, help="folder for <name>_{dense,sparse,labels}.npy")
@@ -98,6 +103,11 @@ def quiet_libraries() -> None:
         log.propagate = False
 
 
+def _num(value: float | None, spec: str) -> str:
+    """A summary number as text; strict JSON writes an undefined one (a NaN) as null."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def _fail(message: str) -> int:
     print(f"recsys: error: {message}", file=sys.stderr)
     return EXIT_USAGE
@@ -131,7 +141,7 @@ def _train(args: argparse.Namespace) -> int:
         from recsys.train import run
 
         try:
-            summary = run(config, out, resume=args.resume)
+            summary = run(config, out, resume=args.resume, allow_config_change=args.allow_config_change)
         except UserError as err:
             return _fail(str(err))
         except RunStopped as stop:
@@ -141,7 +151,8 @@ def _train(args: argparse.Namespace) -> int:
         from recsys.launch import launch
 
         try:
-            code = launch(config, out, resume=args.resume, port=free_port())
+            resume = {"resume": args.resume, "allow_config_change": args.allow_config_change}
+            code = launch(config, out, resume=resume, port=free_port())
         except UserError as err:
             return _fail(str(err))
         if code:
@@ -150,8 +161,9 @@ def _train(args: argparse.Namespace) -> int:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     if summary is not None:
         print(
-            f"done: {summary['steps']} steps, test auc {summary['auc']:.4f}, logloss {summary['logloss']:.4f}, "
-            f"{summary['samples_per_s']:,.0f} samples/s; digest {summary['model_digest']}"
+            f"done: {summary['steps']} steps, test auc {_num(summary['auc'], '.4f')}, "
+            f"logloss {_num(summary['logloss'], '.4f')}, {_num(summary['samples_per_s'], ',.0f')} samples/s; "
+            f"digest {summary['model_digest']}"
         )
         print(f"wrote {out / 'summary.json'} and {out / 'metrics.jsonl'}")
     return 0

@@ -43,7 +43,7 @@ STOP_GRACE_S = 60.0
 
 
 def _worker(
-    local_rank: int, nproc: int, port: int, config: Any, out: Path, resume: bool, channel: Any
+    local_rank: int, nproc: int, port: int, config: Any, out: Path, resume: dict[str, bool], channel: Any
 ) -> None:
     """Entry point of a spawned worker process."""
     import threading
@@ -65,7 +65,7 @@ def _worker(
 
     code = 0
     try:
-        run(config, out, resume=resume, lock_run=False)
+        run(config, out, lock_run=False, **resume)
     except UserError:
         code = EXIT_USAGE  # reported through the channel; the launcher prints the first rank's message
     except RunStopped as stop:
@@ -125,8 +125,11 @@ def _print_error(message: str) -> None:
     print(f"recsys: error: {message}", file=sys.stderr)
 
 
-def launch(config: Any, out: Path, *, resume: bool, port: int) -> int:
-    """Train with ``config.train.nproc`` local workers; returns the process exit code."""
+def launch(config: Any, out: Path, *, resume: dict[str, bool], port: int) -> int:
+    """Train with ``config.train.nproc`` local workers; returns the process exit code.
+
+    ``resume``: keyword arguments of :func:`recsys.train.run` (``resume``, ``allow_config_change``).
+    """
     nproc = config.train.nproc
     with lock_run_dir(out):
         clear_failures(out)

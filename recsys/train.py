@@ -22,7 +22,14 @@ from tqdm import tqdm
 
 from embedding_store import StoreCapacityError, StoreFullError
 from pipelines import StagedPipeline, StageFailed
-from recsys.checkpoint import checkpoint_world_size, load_checkpoint, resumable_checkpoint, save_checkpoint
+from recsys.checkpoint import (
+    checkpoint_meta,
+    fingerprint_mismatch,
+    load_checkpoint,
+    model_fingerprint,
+    resumable_checkpoint,
+    save_checkpoint,
+)
 from recsys.config import RunConfig, config_to_dict
 from recsys.data.batch import Batch
 from recsys.data.source import build_dataset
@@ -116,6 +123,7 @@ class Trainer:
         self.dense_optimizer = self.optimizer.optimizers[1][1]
         self.step = 0
         self._saved_step = -1  # the step of the last checkpoint this process wrote
+        self.allow_config_change = False  # resume even when model-changing settings differ
         self._dense: list[tuple[str, torch.nn.Parameter]] | None = None
         # Store counters of evaluation batches and, at the end of training, of the training batches alone.
         self._eval_counters: dict[str, torch.Tensor] = {}
@@ -218,6 +226,26 @@ class Trainer:
     def _store_snapshot(self, checkpoint: Path) -> Path:
         return checkpoint / f"store_rank_{self.env.rank}"
 
+    def _check_fingerprint(self, path: Path, saved: dict[str, Any] | None) -> None:
+        """Refuse to resume with config values that change the trained model (unless allowed)."""
+        current = model_fingerprint(self.config)
+        changes = fingerprint_mismatch(saved, current)
+        if not changes:
+            return
+        if saved is not None and saved.get("train.seed") != current.get("train.seed"):
+            raise UserError(
+                f"--resume: {path} was trained with train.seed={saved.get('train.seed')}, this run has "
+                f"train.seed={current.get('train.seed')}; the seed cannot change on resume (the embedding rows' "
+                "initial values depend on it)"
+            )
+        if not self.allow_config_change:
+            raise UserError(
+                f"--resume: {path} was trained with other settings that change the model: {'; '.join(changes)}; "
+                "restore them, or pass --allow-config-change to continue with the new ones"
+            )
+        if self.env.is_main:
+            log.warning("resuming with changed settings (--allow-config-change): %s", "; ".join(changes))
+
     def start(self, *, resume: bool) -> None:
         """Restore the newest complete checkpoint (``resume``) or start fresh; open the tiered store."""
         snapshot, reshard = None, None
@@ -225,7 +253,9 @@ class Trainer:
             path = resumable_checkpoint(self.checkpoint_root)
             if path is None:
                 raise UserError(f"--resume: no complete, intact checkpoint under {self.checkpoint_root}")
-            old_world = checkpoint_world_size(path)
+            meta = checkpoint_meta(path)
+            old_world = meta["world_size"]
+            self._check_fingerprint(path, meta.get("fingerprint"))
             tiered = [] if self.tiered is None else self.tiered.names
             self.step = load_checkpoint(
                 path, dmp=self.dmp, dense_optimizer=self.dense_optimizer, skip_tables=tiered
@@ -270,6 +300,7 @@ class Trainer:
                 dmp=self.dmp,
                 dense_optimizer=self.dense_optimizer,
                 keep=self.config.train.keep_checkpoints,
+                fingerprint=model_fingerprint(self.config),
                 extra=None if tiered is None else lambda path: tiered.snapshot(self._store_snapshot(path)),
             )
         self._saved_step = self.step
@@ -657,12 +688,18 @@ def _lock_run_dir(out_dir: Path, env: DistEnv) -> contextlib.AbstractContextMana
 
 
 def run(
-    config: RunConfig, out_dir: Path, *, resume: bool = False, lock_run: bool = True
+    config: RunConfig,
+    out_dir: Path,
+    *,
+    resume: bool = False,
+    lock_run: bool = True,
+    allow_config_change: bool = False,
 ) -> dict[str, Any] | None:
     """Train on this process's rank; rank 0 writes the run directory and returns the summary.
 
     ``lock_run``: rank 0 takes the run directory's lock (False when the launcher holds it). SIGTERM and
     SIGINT stop the run after the current step, with a checkpoint, by raising :class:`RunStopped`.
+    ``allow_config_change``: resume even when settings that change the model differ from the checkpoint's.
     """
     if launched_by_torchrun():
         die_with_parent()  # torchrun's agent: an orphaned worker would keep training and the store locked
@@ -674,6 +711,7 @@ def run(
         with _lock_run_dir(out_dir, env) if lock_run else contextlib.nullcontext(), stop_signal.catching():
             started = time.perf_counter()
             trainer = Trainer(config, env, out_dir=out_dir)
+            trainer.allow_config_change = allow_config_change
             if env.is_main:
                 log.info(
                     "%s on %d rank(s) [%s, %s], %d tables, %s sharding, %s",
