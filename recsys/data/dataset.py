@@ -14,11 +14,13 @@ share of each block of ``batch_size × W`` rows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +29,7 @@ from recsys.data.block import Block, Jagged
 from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
 from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource, rebatch
 from recsys.data.spec import DatasetSpec, Format, JoinSpec, inside_root, path_problem, quoted
+from recsys.data.split import SplitKeys, check_split_columns, merge_keys, row_keys, split_rows
 from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
 from recsys.data.text import Issues, OnError, Problems, split_fields
 from recsys.errors import UserError
@@ -36,27 +39,34 @@ __all__ = ["ArrayDataset", "SpecDataset", "train_batches_of", "eval_batches_of"]
 log = logging.getLogger("recsys")
 
 
+def _features_only(spec: DatasetSpec) -> DatasetSpec:
+    """``spec`` without ``order_by``: :func:`to_block` reads features, split keys are read apart."""
+    return dataclasses.replace(spec, split=dataclasses.replace(spec.split, order_by=""))
+
+
 @dataclass(frozen=True)
 class TextParser:
-    """A chunk of column-mapped delimited text (CSV/TSV, RecBole) → a block (picklable: module level)."""
+    """A chunk of column-mapped delimited text (CSV/TSV, RecBole) → a block and its split keys
+    (picklable: module level)."""
 
     spec: DatasetSpec
     delimiter: bytes
     columns: list[str]
     sides: list[SideTable]
 
-    def __call__(self, data: bytes, first: int, issues: Issues) -> tuple[Block, np.ndarray | None]:
+    def __call__(self, data: bytes, first: int, issues: Issues) -> tuple[Block, SplitKeys | None]:
         fields = split_fields(
             data, delimiter=self.delimiter, num_fields=len(self.columns), first_line=first, issues=issues
         )
         table = TextTable(fields, self.columns)
         problems = Problems(fields.num_rows)
-        block, order = to_block(table, self.spec, self.sides, problems)
+        block, _ = to_block(table, _features_only(self.spec), self.sides, problems)
         keep = problems.resolve(fields.lines, issues)
-        if keep is None:
-            return block, order
-        idx = np.flatnonzero(keep)
-        return block.take(idx), (None if order is None else order[idx])
+        if keep is not None:
+            idx = np.flatnonzero(keep)
+            block, table = block.take(idx), TextTable(fields.keep(idx), self.columns)
+        split = self.spec.split
+        return block, row_keys(table, order_by=split.order_by, group_by=split.group_by, where=issues.path)
 
 
 def _local(rank: int, world_size: int, rows: int) -> tuple[int, int]:
@@ -357,15 +367,20 @@ class SpecDataset:
             except ImportError:
                 raise UserError("format 'parquet' needs pyarrow: pip install 'tierrec[parquet]'") from None
 
-            def convert(batch: object, first_row: int) -> tuple[Block, np.ndarray | None]:
+            features = _features_only(spec)
+
+            def convert(batch: Any, first_row: int) -> tuple[Block, SplitKeys | None]:
                 table = ArrowTable(batch, first_row)
                 problems = Problems(table.num_rows)
-                block, order = to_block(table, spec, self._sides, problems)
+                block, _ = to_block(table, features, self._sides, problems)
                 keep = problems.resolve(table.lines, Issues(str(files[0]), self.on_error))
+                keys = row_keys(
+                    table, order_by=spec.split.order_by, group_by=spec.split.group_by, where=str(files[0])
+                )
                 if keep is None:
-                    return block, order
+                    return block, keys
                 idx = np.flatnonzero(keep)
-                return block.take(idx), (None if order is None else order[idx])
+                return block.take(idx), (None if keys is None else keys[idx])
 
             return ParquetSource(files, convert, rows=rows)
         # csv / recbole: column-mapped delimited text.
@@ -437,23 +452,39 @@ class SpecDataset:
             if spec.split.shuffle:
                 train = MemorySource(Block.concat(list(train.blocks())))
             return train, held
-        if spec.split.order_by or spec.split.shuffle:
+        split = spec.split
+        if split.order_by or split.group_by or split.shuffle:  # the whole split in memory
             whole = self._source(files)
-            blocks, orders = [], []
-            for block, order in whole.pairs():  # type: ignore[union-attr]
+            if split.order_by or split.group_by:
+                self._check_split_columns(files)
+            blocks, keys = [], []
+            for block, key in whole.pairs():  # type: ignore[union-attr]
                 blocks.append(block)
-                orders.append(order)
+                keys.append(key)
             if not blocks:
                 raise UserError(f"{spec.path}: no rows in {', '.join(map(str, files))}")
             block = Block.concat(blocks)
-            if spec.split.order_by:
-                block = block.take(np.argsort(np.concatenate(orders), kind="stable"))
-            cut = block.num_rows - round(block.num_rows * spec.split.eval_fraction)
+            if split.order_by or split.group_by:
+                train_rows, held_rows = split_rows(
+                    merge_keys(keys, split.order_by), block.num_rows, split.eval_fraction
+                )
+                return MemorySource(block.take(train_rows)), MemorySource(block.take(held_rows))
+            cut = block.num_rows - round(block.num_rows * split.eval_fraction)
             return MemorySource(block.slice(0, cut)), MemorySource(block.slice(cut, block.num_rows))
         whole = self._source(files)
         total = whole.total_lines() if isinstance(whole, TextSource) else whole.num_rows()
         cut = total - round(total * spec.split.eval_fraction)
         return self._source(files, (0, cut)), self._source(files, (cut, total))
+
+    def _check_split_columns(self, files: list[Path]) -> None:
+        """Refuse an ``order_by`` / ``group_by`` column the data lacks before parsing (one line)."""
+        if self.spec.format is Format.PARQUET:
+            import pyarrow.parquet as pq
+
+            columns = list(pq.ParquetFile(files[0]).schema_arrow.names)
+        else:
+            columns = self._column_names(files[0], self._delimiter())
+        check_split_columns(self.spec.split, where=self.spec.path, columns=columns, sides=self._sides)
 
     # -- the Dataset protocol ---------------------------------------------------------------------
 

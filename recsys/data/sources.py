@@ -186,7 +186,7 @@ class TextSource:
             yield block
 
     def pairs(self, *, skip_rows: int = 0) -> Iterator[tuple[Block, np.ndarray | None]]:
-        """Blocks with their ``order_by`` keys."""
+        """Blocks with their split keys (the parser's second result: ``order_by`` / ``group_by`` keys)."""
         if self.on_error is OnError.RAISE:
             yield from self._parsed(self.lo + skip_rows)
             return
@@ -298,6 +298,11 @@ class NpySource:
                 continue
             yield block.slice(skip_rows, block.num_rows) if skip_rows else block
             skip_rows = 0
+
+    def pairs(self, *, skip_rows: int = 0) -> Iterator[tuple[Block, None]]:
+        """Blocks with no split keys (npy files have no named columns to sort or group by)."""
+        for block in self.blocks(skip_rows=skip_rows):
+            yield block, None
 
     def _blocks(self, lo: int) -> Iterator[Block]:
         base = 0

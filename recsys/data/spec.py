@@ -130,13 +130,16 @@ class SplitSpec:
     """How rows divide into training and held-out rows.
 
     ``eval_files``: held-out files (e.g. Criteo 1TB's day_23); otherwise the last ``eval_fraction`` of
-    the rows, after sorting by ``order_by`` (a chronological split) when it is set. ``shuffle``: a
-    deterministic per-epoch shuffle of the training rows (loads the training split into memory).
+    the rows, after sorting by ``order_by`` (a chronological split) when it is set. ``group_by``: every
+    row of a group (equal values of that column) lands on one side (``recsys/data/split.py`` says how).
+    ``shuffle``: a deterministic per-epoch shuffle of the training rows (loads the training split into
+    memory; ``order_by`` and ``group_by`` load the whole split).
     """
 
     eval_fraction: float = 0.1
     eval_files: tuple[str, ...] = ()
-    order_by: str = ""
+    order_by: str = ""  # numbers sort as numbers, text by its bytes; empty values first
+    group_by: str = ""  # a column of the data files: its equal values stay on one side
     shuffle: bool = False
 
 
@@ -360,6 +363,7 @@ def _check(spec: DatasetSpec) -> None:
     check_paths(spec)
     if not 0 <= spec.split.eval_fraction < 1:
         raise UserError(f"{where} [split] eval_fraction must be in [0, 1), got {spec.split.eval_fraction}")
+    _check_split(spec)
     names = [f.name for f in (*spec.dense, *spec.sparse)]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -371,6 +375,28 @@ def _check(spec: DatasetSpec) -> None:
             raise UserError(f"{where}: sparse feature {f.name!r}: separator must be one character")
     if spec.format in (Format.CSV, Format.PARQUET, Format.RECBOLE) and not spec.sparse:
         raise UserError(f"{where}: a {spec.format.value} spec needs at least one [[sparse]] feature")
+
+
+def _check_split(spec: DatasetSpec) -> None:
+    """``order_by`` / ``group_by``: strings naming a column, of a format with named columns, no eval_files."""
+    where, split = spec.path, spec.split
+    for key in ("order_by", "group_by"):
+        value = getattr(split, key)
+        if not isinstance(value, str):
+            raise UserError(f"{where} [split] {key} must be a column name (a string), got {quoted(value)}")
+        if not value:
+            continue
+        if split.eval_files:
+            # Held-out rows come from their own files: sorting or grouping them would be ignored.
+            raise UserError(
+                f"{where} [split] {key} = {quoted(value)} cannot be combined with eval_files "
+                "(the held-out rows are those files' rows)"
+            )
+        if spec.format in (Format.CRITEO_TSV, Format.TORCHREC_NPY, Format.SYNTHETIC):
+            raise UserError(
+                f"{where} [split] {key} = {quoted(value)}: format {spec.format.value!r} has no named "
+                "columns to split by (csv, parquet and recbole have)"
+            )
 
 
 def resolve_spec_path(name: str) -> Path | None:
