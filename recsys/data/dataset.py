@@ -30,6 +30,7 @@ from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
 from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource, rebatch
 from recsys.data.spec import DatasetSpec, Format, JoinSpec, inside_root, path_problem, quoted
 from recsys.data.split import SplitKeys, check_split_columns, merge_keys, row_keys, split_rows
+from recsys.data.stats import SplitStats, stats_of_source
 from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
 from recsys.data.text import Issues, OnError, Problems, split_fields
 from recsys.errors import UserError
@@ -251,6 +252,10 @@ class ArrayDataset:
             self._eval, self._names, rank=rank, world_size=world_size, batch_size=batch_size
         )
 
+    def split_stats(self) -> dict[str, SplitStats]:
+        """Rows and positives of the training and held-out arrays (exact)."""
+        return {"train": stats_of_source(self._train), "eval": stats_of_source(self._eval)}
+
 
 def _expand(root: Path, names: tuple[str, ...], key: str) -> list[Path]:
     """Files relative to ``root``; glob patterns (``day_*``) expand in natural order (day_2 before day_10).
@@ -304,6 +309,7 @@ class SpecDataset:
         self.on_error = on_error
         self._sides: list[SideTable] = []
         self._columns: list[str] = []
+        self._stats: dict[str, SplitStats] | None = None
         files = _expand(root, spec.source.files, f"{spec.path} [source] files")
         eval_files = _expand(root, spec.split.eval_files, f"{spec.path} [split] eval_files")
         for f in [*files, *eval_files]:
@@ -506,6 +512,17 @@ class SpecDataset:
         return eval_batches_of(
             self._eval, self._names, rank=rank, world_size=world_size, batch_size=batch_size
         )
+
+    def split_stats(self) -> dict[str, SplitStats]:
+        """Rows and positives of ``"train"`` and ``"eval"``, counted once and kept.
+
+        Exact: splits held in memory (sorted, grouped or shuffled) are counted there; a streamed split
+        costs one pass over its files (a full parse, so the rows ``on_error = "skip"`` drops are not
+        counted, as training does not see them).
+        """
+        if self._stats is None:
+            self._stats = {"train": stats_of_source(self._train), "eval": stats_of_source(self._eval)}
+        return self._stats
 
     @property
     def train_source(self) -> RowSource:

@@ -20,6 +20,7 @@ from recsys.data.batch import Batch
 from recsys.data.dataset import SpecDataset
 from recsys.data.fetch import default_cache_dir, fetch
 from recsys.data.spec import DATASETS_DIR, DatasetSpec, Format, load_spec, resolve_spec_path
+from recsys.data.stats import SplitStats
 from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
 from recsys.data.text import OnError
 from recsys.errors import UserError
@@ -29,7 +30,7 @@ __all__ = ["Dataset", "DataConfig", "build_dataset", "check_source"]
 
 @runtime_checkable
 class Dataset(Protocol):
-    """A source of training and held-out batches."""
+    """A source of training and held-out batches, and the counts of each split (:meth:`split_stats`)."""
 
     @property
     def feature_names(self) -> list[str]:
@@ -56,6 +57,18 @@ class Dataset(Protocol):
 
         Every rank must yield the same number of batches: the sharded forward is collective.
         """
+
+    def split_stats(self) -> dict[str, SplitStats]:
+        """Rows and positives of the whole ``"train"`` and ``"eval"`` splits (all ranks together).
+
+        Optional for a factory's dataset: :func:`recsys.data.stats.split_stats_of` returns None for a
+        dataset without it, and the trainer then counts the labels it reads. Every dataset of this
+        package has it (exact; computed once per instance and kept).
+        """
+
+
+# What a factory's dataset must have: split_stats is optional (see Dataset.split_stats).
+_REQUIRED = ("feature_names", "id_spaces", "num_dense", "train_batches", "eval_batches")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -148,6 +161,10 @@ def _from_factory(config: DataConfig, seed: int) -> Dataset:
     if not callable(factory):
         raise UserError(f"data.source {config.source!r}: {module_name} has no function {attr!r}")
     dataset = factory(config, seed=seed)
-    if not isinstance(dataset, Dataset):
-        raise UserError(f"data.source {config.source!r} returned {type(dataset).__name__}, not a Dataset")
-    return dataset
+    missing = [name for name in _REQUIRED if not hasattr(dataset, name)]
+    if missing:
+        raise UserError(
+            f"data.source {config.source!r} returned {type(dataset).__name__}, not a Dataset "
+            f"(it lacks {', '.join(missing)})"
+        )
+    return dataset  # type: ignore[return-value]

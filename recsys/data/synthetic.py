@@ -24,6 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store.init import mix64 as _mix
 from recsys.data.batch import Batch
+from recsys.data.stats import SplitStats
 
 __all__ = ["SyntheticConfig", "SyntheticCriteo", "MAX_ID_SPACE"]
 
@@ -132,6 +133,7 @@ class SyntheticCriteo:
         self._hidden_keys = [_key(seed, "hidden", i) for i in range(f)]
         # Centre the logit so that roughly a quarter of the samples are positive, as in click logs.
         self._bias = -1.1
+        self._stats: dict[str, SplitStats] | None = None
 
     # -- the Dataset protocol ---------------------------------------------------------------------
 
@@ -175,6 +177,24 @@ class SyntheticCriteo:
         num_batches = max(1, -(-largest // batch_size))
         for part in np.array_split(np.arange(lo, hi, dtype=np.uint64), num_batches):
             yield self.samples(part, split="eval")
+
+    def split_stats(self) -> dict[str, SplitStats]:
+        """Rows and positives: ``"eval"`` exactly (its ``eval_samples`` rows); ``"train"`` from the first
+        ``eval_samples`` samples of the endless training stream (``sampled=True``). Counted once."""
+        if self._stats is None:
+            n = self.config.eval_samples
+            self._stats = {
+                "train": self._count(n, "train", sampled=True),
+                "eval": self._count(n, "eval", sampled=False),
+            }
+        return self._stats
+
+    def _count(self, rows: int, split: str, *, sampled: bool) -> SplitStats:
+        positives = 0
+        for start in range(0, rows, 65536):  # bounded memory for any eval_samples
+            index = np.arange(start, min(rows, start + 65536), dtype=np.uint64)
+            positives += int(self.samples(index, split=split).labels.sum().item())
+        return SplitStats(rows=rows, positives=positives, sampled=sampled)
 
     def samples(self, index: np.ndarray, *, split: str = "train") -> Batch:
         """The samples with the given global indices (uint64) of a split."""
