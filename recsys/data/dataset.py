@@ -1,15 +1,9 @@
-"""Datasets built from a spec (or from arrays): splits, epochs, rank shares and the data position.
+"""Datasets built from a spec (or from arrays): schema, readers and the split.
 
-Global batch ``s`` is rows ``[s*B, (s+1)*B)`` of the training split read as an endless sequence of
-epochs; rank r of W takes the r-th slice of it, so ranks read disjoint rows, their union is the batch,
-and the rows a step sees do not depend on the world size. Epochs follow each other; with
-``[split] shuffle = true`` the training rows are held in memory and each epoch is a permutation drawn
-from ``(seed, epoch)``, otherwise every epoch reads the rows in file order (streaming, bounded memory).
-Either way ``train_batches(start_step=k)`` yields exactly what an uninterrupted iterator yields from
-step k on.
-
-The held-out split is read once, in file (or chronological) order; rank r takes the r-th contiguous
-share of each block of ``batch_size × W`` rows.
+A spec's rows are read by a row source (streamed text, npy or Parquet, or rows in memory);
+:mod:`recsys.data.split` divides them into training and held-out rows when the split sorts or groups
+them, and :mod:`recsys.data.epochs` turns a split into epochs and rank shares (the rows a step sees do
+not depend on the world size, and ``train_batches(start_step=k)`` resumes exactly).
 """
 
 from __future__ import annotations
@@ -27,7 +21,8 @@ import numpy as np
 from recsys.data.batch import Batch
 from recsys.data.block import Block, Jagged
 from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
-from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource, rebatch
+from recsys.data.epochs import eval_batches_of, train_batches_of
+from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource
 from recsys.data.spec import DatasetSpec, Format, JoinSpec, inside_root, path_problem, quoted
 from recsys.data.split import SplitKeys, check_split_columns, merge_keys, row_keys, split_rows
 from recsys.data.stats import SplitStats, stats_of_source
@@ -68,97 +63,6 @@ class TextParser:
             block, table = block.take(idx), TextTable(fields.keep(idx), self.columns)
         split = self.spec.split
         return block, row_keys(table, order_by=split.order_by, group_by=split.group_by, where=issues.path)
-
-
-def _local(rank: int, world_size: int, rows: int) -> tuple[int, int]:
-    return rows * rank // world_size, rows * (rank + 1) // world_size
-
-
-def train_batches_of(
-    source: RowSource,
-    feature_names: list[str],
-    *,
-    rank: int,
-    world_size: int,
-    batch_size: int,
-    start_step: int,
-    seed: int,
-    shuffle: bool,
-) -> Iterator[Batch]:
-    """This rank's slice of global batches ``start_step, start_step + 1, ...`` of a training split."""
-    if batch_size % world_size:
-        raise UserError(
-            f"the global batch size {batch_size} must be divisible by the world size {world_size}"
-        )
-    lo, hi = _local(rank, world_size, batch_size)
-    if isinstance(source, MemorySource):
-        yield from _memory_batches(source.block, feature_names, lo, hi, batch_size, start_step, seed, shuffle)
-        return
-    total = source.num_rows()
-    if total == 0:
-        raise UserError("the training split has no rows")
-    skip = start_step * batch_size % total
-
-    def endless() -> Iterator[Block]:  # epochs follow each other, each a pass in file order
-        first = skip
-        while True:
-            rows = 0
-            for block in source.blocks(skip_rows=first):
-                rows += block.num_rows
-                yield block
-            if rows == 0 and first == 0:  # a source that counts rows but yields none would loop forever
-                raise UserError(f"the training split should have {total} rows but reading it gave none")
-            first = 0
-
-    for block in rebatch(endless(), batch_size):
-        yield block.slice(lo, hi).to_batch(feature_names)
-
-
-def _memory_batches(
-    block: Block,
-    feature_names: list[str],
-    lo: int,
-    hi: int,
-    batch_size: int,
-    start_step: int,
-    seed: int,
-    shuffle: bool,
-) -> Iterator[Batch]:
-    total = block.num_rows
-    if total == 0:
-        raise UserError("the training split has no rows")
-    perms: dict[int, np.ndarray] = {}
-
-    def perm(epoch: int) -> np.ndarray:
-        if epoch not in perms:
-            if len(perms) > 2:
-                perms.clear()
-            perms[epoch] = np.random.default_rng([seed, epoch, 0xDA7A]).permutation(total)
-        return perms[epoch]
-
-    step = start_step
-    while True:
-        pos = step * batch_size + np.arange(lo, hi, dtype=np.int64)
-        epoch, offset = np.divmod(pos, total)
-        if shuffle:
-            index = np.empty_like(pos)
-            for e in np.unique(epoch):
-                sel = epoch == e
-                index[sel] = perm(int(e))[offset[sel]]
-        else:
-            index = offset
-        yield block.take(index).to_batch(feature_names)
-        step += 1
-
-
-def eval_batches_of(
-    source: RowSource, feature_names: list[str], *, rank: int, world_size: int, batch_size: int
-) -> Iterator[Batch]:
-    """This rank's disjoint share of the held-out split: the r-th slice of each block of B × W rows."""
-    for block in rebatch(source.blocks(), batch_size * world_size):
-        lo, hi = _local(rank, world_size, block.num_rows)
-        if hi > lo:
-            yield block.slice(lo, hi).to_batch(feature_names)
 
 
 class ArrayDataset:
