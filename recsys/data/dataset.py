@@ -279,13 +279,13 @@ class SpecDataset:
 
             features = _features_only(spec)
 
-            def convert(batch: Any, first_row: int) -> tuple[Block, SplitKeys | None]:
+            def convert(batch: Any, first_row: int, path: Path) -> tuple[Block, SplitKeys | None]:
                 table = ArrowTable(batch, first_row)
                 problems = Problems(table.num_rows)
                 block, _ = to_block(table, features, self._sides, problems)
-                keep = problems.resolve(table.lines, Issues(str(files[0]), self.on_error))
+                keep = problems.resolve(table.lines, Issues(str(path), self.on_error))
                 keys = row_keys(
-                    table, order_by=spec.split.order_by, group_by=spec.split.group_by, where=str(files[0])
+                    table, order_by=spec.split.order_by, group_by=spec.split.group_by, where=str(path)
                 )
                 if keep is None:
                     return block, keys

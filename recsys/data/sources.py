@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -393,18 +393,23 @@ class MemorySource:
 
 
 class ParquetSource:
-    """Rows ``[lo, hi)`` of Parquet files, read a record batch at a time (needs pyarrow)."""
+    """Rows ``[lo, hi)`` of Parquet files, read a record batch at a time (needs pyarrow).
+
+    ``convert(batch, first_row, path)`` turns a record batch (rows from ``first_row`` of file ``path``)
+    into a block and its split keys.
+    """
 
     def __init__(
         self,
         files: list[Path],
-        convert: Callable[[object, int], tuple[Block, np.ndarray | None]],
+        convert: Callable[[Any, int, Path], tuple[Block, Any]],
         *,
         rows: tuple[int, int | None] = (0, None),
         batch_rows: int = 65536,
     ) -> None:
         import pyarrow.parquet as pq
 
+        self.paths = list(files)
         self.files = [pq.ParquetFile(p) for p in files]
         self.counts = [f.metadata.num_rows for f in self.files]
         self.convert = convert
@@ -414,17 +419,17 @@ class ParquetSource:
     def num_rows(self) -> int:
         return self.hi - self.lo
 
-    def pairs(self, *, skip_rows: int = 0) -> Iterator[tuple[Block, np.ndarray | None]]:
+    def pairs(self, *, skip_rows: int = 0) -> Iterator[tuple[Block, Any]]:
+        """Blocks with their split keys."""
         lo = self.lo + skip_rows
         base = 0
-        for pf, count in zip(self.files, self.counts, strict=True):
+        for path, pf, count in zip(self.paths, self.files, self.counts, strict=True):
             row = base
             if base + count > lo and base < self.hi:
                 for batch in pf.iter_batches(batch_size=self.batch_rows):
                     a, b = max(lo, row), min(self.hi, row + batch.num_rows)
                     if a < b:
-                        block, order = self.convert(batch.slice(a - row, b - a), a - base)
-                        yield block, order
+                        yield self.convert(batch.slice(a - row, b - a), a - base, path)
                     row += batch.num_rows
             base += count
 

@@ -97,7 +97,15 @@ def _arrow_order(table: ArrowTable, column: str, where: str) -> SplitKeys:
     arr = table.batch.column(table.columns.index(column))
     kind = arr.type
     null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind):
+    if any(
+        is_text(kind)
+        for is_text in (
+            pa.types.is_string,
+            pa.types.is_large_string,
+            pa.types.is_binary,
+            pa.types.is_large_binary,
+        )
+    ):
         raw = [b"" if v is None else (v.encode() if isinstance(v, str) else v) for v in arr.to_pylist()]
         keys = np.array(raw, dtype=np.bytes_) if raw else np.zeros(0, "S1")
         first = np.flatnonzero(~null)

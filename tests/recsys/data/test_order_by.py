@@ -136,3 +136,18 @@ def test_parquet_columns_sort_by_their_type(tmp_path):
         order([1.0, float("nan")])
     with pytest.raises(UserError, match=r"order_by column 't' has type list<"):
         order([[1], [2]])
+
+
+def test_parquet_files_of_numbers_and_text_are_refused_naming_each_file(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"row": [0, 1], "t": [5, 6], "y": [0, 1]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"row": [2], "t": ["x"], "y": [1]}), tmp_path / "b.parquet")
+    spec = SPEC.format(fmt="parquet", ext="parquet").replace(
+        'files = ["rows.parquet"]', 'files = ["a.parquet", "b.parquet"]'
+    )
+    (tmp_path / "spec.toml").write_text(spec)
+    with pytest.raises(
+        UserError, match=r"holds numbers \(.*a.parquet row 1\) and text \(.*b.parquet row 1\)"
+    ):
+        build_dataset(DataConfig(source=str(tmp_path / "spec.toml")), synthetic=SyntheticConfig(), seed=0)
