@@ -167,3 +167,18 @@ def test_constant_logloss_is_what_torch_bce_gives(train, held):
 def test_constant_logloss_without_rows_is_nan():
     assert math.isnan(constant_logloss(SplitStats(rows=0, positives=0), SplitStats(rows=2, positives=1)))
     assert math.isnan(constant_logloss(SplitStats(rows=2, positives=1), SplitStats(rows=0, positives=0)))
+
+
+def test_shuffled_npy_split_loads_and_counts(tmp_path):
+    # npy with shuffle = true used to fail (the npy reader had no pairs()); labels 0 1 0 1 ...: the last
+    # 5 of 20 rows (15..19: 1 0 1 0 1) are held out.
+    np.save(tmp_path / "day_0_dense.npy", np.zeros((20, 2), np.float32))
+    np.save(tmp_path / "day_0_sparse.npy", np.arange(40).reshape(20, 2))
+    np.save(tmp_path / "day_0_labels.npy", (np.arange(20) % 2).astype(np.float32))
+    spec = 'name = "n"\nformat = "torchrec_npy"\n[source]\nfiles = ["day_0"]\n[split]\neval_fraction = 0.25\nshuffle = true\n'
+    (tmp_path / "spec.toml").write_text(spec)
+    ds = build_dataset(DataConfig(source=str(tmp_path / "spec.toml")), synthetic=SyntheticConfig(), seed=0)
+    assert ds.split_stats() == {
+        "train": SplitStats(rows=15, positives=7),
+        "eval": SplitStats(rows=5, positives=3),
+    }
