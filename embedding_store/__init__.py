@@ -54,6 +54,7 @@ from embedding_store.errors import (
     StoreLockedError,
 )
 from embedding_store.init import init_rows
+from embedding_store.lmdb_backend import scan_snapshot
 from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats, TierStats
 from embedding_store.store import RowChunk, TieredStore, restore_resharded, restore_snapshot
@@ -81,4 +82,5 @@ __all__ = [
     "init_rows",
     "restore_resharded",
     "restore_snapshot",
+    "scan_snapshot",
 ]

@@ -218,18 +218,22 @@ def save_checkpoint(
     keep: int,
     extra: Callable[[Path], list[Path]] | None = None,
     fingerprint: dict[str, Any] | None = None,
+    trainer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write this rank's part of the checkpoint after ``step`` steps; collective over all ranks.
 
     ``extra(path)`` writes more of this rank's state into the checkpoint directory (the tiered store's
     snapshot) before the checkpoint is marked complete, and returns the files or folders it wrote: the
     manifest records their sizes and checksums. ``fingerprint`` (:func:`model_fingerprint`, JSON-safe) is
-    recorded in ``meta.json`` for :func:`fingerprint_mismatch` on resume.
+    recorded in ``meta.json`` for :func:`fingerprint_mismatch` on resume; ``trainer_state`` (JSON-safe: the
+    best evaluation so far, early-stopping counters) is recorded there for the trainer to restore.
     """
     rank, world = _rank_world()
     path = _step_dir(root, step)
     if fingerprint is not None:
         fingerprint = json.loads(json.dumps(fingerprint))  # not JSON-safe: fail before writing anything
+    if trainer_state is not None:
+        trainer_state = json.loads(json.dumps(trainer_state, allow_nan=False))
     if rank == 0:
         if path.exists():
             # Left by a run that was killed while writing it, or a damaged one: never mix old and new files.
@@ -273,6 +277,8 @@ def save_checkpoint(
         meta = {"format": FORMAT, "step": step, "world_size": world, "files": manifest}
         if fingerprint is not None:
             meta["fingerprint"] = fingerprint
+        if trainer_state is not None:
+            meta["trainer"] = trainer_state
         _fsync_dir(path)  # every rank's renames are durable before the checkpoint is marked complete
         meta_tmp = path / f".{META}.tmp"
         with open(meta_tmp, "w") as f:
@@ -414,8 +420,8 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
     entry has its size and checksum. Nothing outside ``path`` is opened.
 
     Returns:
-        ``{"format", "step", "world_size", "files", "fingerprint"}``; ``fingerprint`` is None when the
-        checkpoint was saved without one.
+        ``{"format", "step", "world_size", "files", "fingerprint", "trainer"}``; ``fingerprint`` and
+        ``trainer`` are None when the checkpoint was saved without them.
 
     Raises:
         CheckpointError: one line naming the problem and the offending value.
@@ -429,7 +435,7 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: unreadable {META} ({err})") from None
     if (problem := _meta_problem(path, meta)) is not None:
         raise CheckpointError(f"{path / META}: {problem}")
-    return {key: meta.get(key) for key in ("format", "step", "world_size", "files", "fingerprint")}
+    return {key: meta.get(key) for key in ("format", "step", "world_size", "files", "fingerprint", "trainer")}
 
 
 def _check_file(path: Path, name: str, entry: dict[str, Any]) -> str | None:

@@ -19,6 +19,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from recsys.serving import commands as serving
+
 __all__ = ["main", "build_parser"]
 
 EXIT_USAGE = 2
@@ -53,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from the newest complete checkpoint in --out"
     )
     train.add_argument(
+        "--seeds",
+        default=None,
+        metavar="LIST",
+        help="train once per seed (e.g. 0,1,2 or 0-4) into <out>/seed_<s>/ and report the spread in <out>/seeds.json",
+    )
+    train.add_argument(
         "--allow-config-change",
         action="store_true",
         help="with --resume: continue even though settings that change the model differ from the checkpoint's",
@@ -84,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--nproc", type=int, default=None, help="ranks of the run (overrides train.nproc)")
     tune.add_argument("--out", required=True, type=Path, help="folder for tune.json, tune.md and plots")
+    serving.register(sub)  # evaluate, export, predict
     return parser
 
 
@@ -101,6 +110,33 @@ def quiet_libraries() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The lines after ``done:``: the splits beside the constant predictor, and the best evaluation."""
+    lines = []
+    splits = summary.get("splits") or {}
+    shown = []
+    for name, label in (("train", "training"), ("eval", "held-out")):
+        if split := splits.get(name):
+            rate = split["positive_rate"]
+            shown.append(
+                f"{label} {split['rows']:,} rows ({'n/a' if rate is None else f'{rate:.2%}'} positive)"
+            )
+    if shown:
+        lines.append("splits: " + ", ".join(shown))
+    if summary.get("constant_logloss") is not None:
+        constant, logloss = summary["constant_logloss"], summary["logloss"]
+        verdict = "better" if logloss is not None and logloss < constant else "NOT BETTER"
+        lines.append(
+            f"baseline: the constant predictor's held-out logloss is {constant:.4f}; the model is {verdict}"
+        )
+    if best := summary.get("best"):
+        lines.append(
+            f"best: step {best['step']}, auc {_num(best['auc'], '.4f')}, logloss {_num(best['logloss'], '.4f')}, "
+            f"digest {best['digest']} (checkpoint in {best['checkpoint']})"
+        )
+    return lines
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -134,6 +170,8 @@ def _train(args: argparse.Namespace) -> int:
     except UserError as err:
         return _fail(str(err))
     out = args.out or Path("runs") / args.config.stem
+    if args.seeds is not None:
+        return _train_seeds(args, overrides, out)
     if args.resume and not (out / "checkpoints").is_dir():
         return _fail(f"--resume: no checkpoints in {out}")
     if launched_by_torchrun():
@@ -160,12 +198,68 @@ def _train(args: argparse.Namespace) -> int:
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     if summary is not None:
+        _print_done(summary, out)
+    return 0
+
+
+def _print_done(summary: dict, out: Path) -> None:
+    print(
+        f"done: {summary['steps']} steps, test auc {_num(summary['auc'], '.4f')}, "
+        f"logloss {_num(summary['logloss'], '.4f')}, {_num(summary['samples_per_s'], ',.0f')} samples/s; "
+        f"digest {summary['model_digest']}"
+    )
+    for line in summary_lines(summary):
+        print(line)
+    print(f"wrote {out / 'summary.json'} and {out / 'metrics.jsonl'}")
+
+
+def _train_seeds(args: argparse.Namespace, overrides: list[str], out: Path) -> int:
+    """``recsys train --seeds``: one local run per seed, then the spread over the seeds."""
+    from recsys.config import load_config
+    from recsys.distributed import free_port, launched_by_torchrun
+    from recsys.errors import UserError
+    from recsys.launch import launch
+    from recsys.seeds import parse_seeds, train_seeds
+
+    if launched_by_torchrun():
+        return _fail("--seeds starts its own workers: run it without torchrun")
+    try:
+        seeds = parse_seeds(args.seeds)
+        configs = {s: load_config(args.config, [*overrides, f"train.seed={s}"]) for s in seeds}
+    except UserError as err:
+        return _fail(str(err))
+
+    def train_one(seed: int, run_dir: Path, resume: bool) -> int:
+        print(f"seed {seed}: training into {run_dir}", flush=True)
+        try:
+            code = launch(
+                configs[seed], run_dir, port=free_port(),
+                resume={"resume": resume, "allow_config_change": args.allow_config_change},
+            )  # fmt: skip
+        except UserError as err:
+            return _fail(str(err))
+        if not code:
+            _print_done(json.loads((run_dir / "summary.json").read_text()), run_dir)
+        return code
+
+    steps = configs[seeds[0]].train.steps
+    code, summary = train_seeds(seeds, out, steps=steps, resume=args.resume, train_one=train_one)
+    if summary is None:
+        return code
+    print(f"{'seed':>6} {'auc':>8} {'logloss':>8} {'constant':>8}")
+    for seed in summary["seeds"]:
+        r = summary["runs"][str(seed)]
         print(
-            f"done: {summary['steps']} steps, test auc {_num(summary['auc'], '.4f')}, "
-            f"logloss {_num(summary['logloss'], '.4f')}, {_num(summary['samples_per_s'], ',.0f')} samples/s; "
-            f"digest {summary['model_digest']}"
+            f"{seed:>6} {_num(r['auc'], '8.4f')} {_num(r['logloss'], '8.4f')} {_num(r['constant_logloss'], '8.4f')}"
         )
-        print(f"wrote {out / 'summary.json'} and {out / 'metrics.jsonl'}")
+    for metric in ("auc", "logloss"):
+        f = summary["final"][metric]
+        if f["median"] is not None:
+            print(
+                f"{metric}: median {f['median']:.4f}, mean {f['mean']:.4f} ± {f['std']:.4f} "
+                f"(min {f['min']:.4f}, max {f['max']:.4f}) over {len(seeds)} seeds"
+            )
+    print(f"wrote {out / 'seeds.json'}")
     return 0
 
 
@@ -242,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         return _preprocess(args)
     if args.command == "tune-cache":
         return _tune_cache(args)
+    if args.command in serving.COMMANDS:
+        return serving.run(args)
     return _fail(f"unknown command {args.command!r}")
 
 

@@ -43,6 +43,7 @@ from embedding_store import (
     TieredStore,
     restore_resharded,
     restore_snapshot,
+    scan_snapshot,
 )
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
 from recsys.data.batch import Batch
@@ -395,6 +396,19 @@ class TieredTables:
             return
         for chunk in self.store.iter_rows(name):
             yield chunk.ids, chunk.weights, chunk.state
+
+    def snapshot_rows(
+        self, name: str, snapshot: Path
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Every row of ``name`` in this rank's store ``snapshot`` (of a checkpoint), as :meth:`local_rows`."""
+        if not hasattr(self, "_store_args") or name not in self.row_offset:
+            return
+        spec = next(t for t in self._store_args["tables"] if t.name == name)
+        seed = self._store_args["config"].seed
+        for ids, rows in scan_snapshot(snapshot, spec, seed=seed):
+            packed = torch.from_numpy(rows)  # (n, dim + state floats)
+            state = None if not spec.state_floats else packed[:, spec.dim :].squeeze(1)
+            yield torch.from_numpy(ids), packed[:, : spec.dim], state
 
     # Counter vector per table: device hits/misses (id occurrences), host hits/misses, LMDB rows read,
     # rows first initialised, rows written to LMDB, device evictions.

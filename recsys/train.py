@@ -7,6 +7,7 @@ Rank 0 owns the run directory: ``metrics.jsonl``, ``summary.json`` and the check
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import shutil
@@ -33,6 +34,7 @@ from recsys.checkpoint import (
 from recsys.config import RunConfig, config_to_dict
 from recsys.data.batch import Batch
 from recsys.data.source import build_dataset
+from recsys.data.stats import SplitStats, constant_logloss, split_stats_of
 from recsys.digest import dense_rows, model_digest
 from recsys.distributed import DistEnv, init_distributed, launched_by_torchrun
 from recsys.errors import UserError, no_space_left
@@ -41,6 +43,7 @@ from recsys.lifetime import RunStopped, die_with_parent, stop_signal
 from recsys.metrics import MetricsLog, auc_logloss, rewind_metrics, write_json
 from recsys.models import TrainModel, build_model, table_configs
 from recsys.runlock import lock_run_dir
+from recsys.selection import BestTracker, Evaluation
 from recsys.sharding import build_optimizer, init_embedding_rows, local_shards, shard_model
 from recsys.sparse import ShardingKind
 from recsys.store_config import load_tune, resolve_capacities
@@ -124,6 +127,10 @@ class Trainer:
         self.step = 0
         self._saved_step = -1  # the step of the last checkpoint this process wrote
         self.allow_config_change = False  # resume even when model-changing settings differ
+        self.selection = BestTracker(select=cfg.eval.select, patience=cfg.eval.patience)
+        # Held-out rows and positives (counted by the first evaluation) and the training split's.
+        self.held_out: dict[str, int] | None = None
+        self._train_split: SplitStats | None = None
         self._dense: list[tuple[str, torch.nn.Parameter]] | None = None
         # Store counters of evaluation batches and, at the end of training, of the training batches alone.
         self._eval_counters: dict[str, torch.Tensor] = {}
@@ -215,13 +222,20 @@ class Trainer:
         if self.env.world_size > 1:
             parts = [None] * self.env.world_size  # type: ignore[list-item]
             dist.all_gather_object(parts, mine)
-        return auc_logloss(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+        labels_all = torch.cat([p[1] for p in parts])
+        self.held_out = {"rows": int(labels_all.numel()), "positives": int(labels_all.sum())}
+        return auc_logloss(torch.cat([p[0] for p in parts]), labels_all)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
     @property
     def checkpoint_root(self) -> Path:
         return self.out_dir / "checkpoints"
+
+    @property
+    def best_root(self) -> Path:
+        """Where the checkpoint of the best evaluation is kept (``eval.every > 0``)."""
+        return self.out_dir / "best"
 
     def _store_snapshot(self, checkpoint: Path) -> Path:
         return checkpoint / f"store_rank_{self.env.rank}"
@@ -256,6 +270,9 @@ class Trainer:
             meta = checkpoint_meta(path)
             old_world = meta["world_size"]
             self._check_fingerprint(path, meta.get("fingerprint"))
+            state = meta.get("trainer") or {}
+            self.selection.load(state.get("selection"))
+            self.held_out = state.get("held_out")
             tiered = [] if self.tiered is None else self.tiered.names
             self.step = load_checkpoint(
                 path, dmp=self.dmp, dense_optimizer=self.dense_optimizer, skip_tables=tiered
@@ -291,19 +308,24 @@ class Trainer:
         except Exception as err:  # noqa: BLE001 - the error that stopped the run is the one to report
             log.debug("closing the store after a failure: %s", err)
 
-    def save(self) -> None:
+    def save(self, *, best: bool = False) -> Path:
+        """Checkpoint the current state under ``checkpoints/`` (or, ``best``, as the only one in ``best/``)."""
         tiered = self.tiered
-        with writing(self.checkpoint_root):
-            save_checkpoint(
-                self.checkpoint_root,
+        root = self.best_root if best else self.checkpoint_root
+        with writing(root):
+            path = save_checkpoint(
+                root,
                 step=self.step,
                 dmp=self.dmp,
                 dense_optimizer=self.dense_optimizer,
-                keep=self.config.train.keep_checkpoints,
-                fingerprint=model_fingerprint(self.config),
+                keep=1 if best else self.config.train.keep_checkpoints,
                 extra=None if tiered is None else lambda path: tiered.snapshot(self._store_snapshot(path)),
+                fingerprint=model_fingerprint(self.config),
+                trainer_state={"selection": self.selection.state(), "held_out": self.held_out},
             )
-        self._saved_step = self.step
+        if not best:
+            self._saved_step = self.step
+        return path
 
     # -- health: non-finite values and stop signals -----------------------------------------------
 
@@ -364,12 +386,20 @@ class Trainer:
                 self.save()
             raise RunStopped(int(flags[0]), self.step)
 
-    def digest(self) -> str:
+    def digest(self, checkpoint: Path | None = None) -> str:
+        """The model digest (collective); tiered rows from the live store, or from ``checkpoint``'s
+        snapshot of it when that was just written (the dense state and plain tables are the live ones)."""
         tiered = set() if self.tiered is None else set(self.tiered.names)
         plain = [t for t in self.tables if t.name not in tiered]
         rows = list(dense_rows(self.dmp, plain))
         if self.tiered is not None:
-            rows += [(name, block) for name in self.tiered.names for block in self.tiered.local_rows(name)]
+            tt = self.tiered
+            for name in tt.names:
+                if checkpoint is None:
+                    rows += [(name, block) for block in tt.local_rows(name)]
+                else:
+                    snapshot = self._store_snapshot(checkpoint)
+                    rows += [(name, block) for block in tt.snapshot_rows(name, snapshot)]
         return model_digest(
             self.dmp,
             [t.name for t in self.tables],
@@ -486,6 +516,55 @@ class Trainer:
                 )
         return out, warnings
 
+    # -- evaluation during training ----------------------------------------------------------------
+
+    def baseline(self) -> dict[str, Any]:
+        """Rows and positive rates of both splits, and the held-out log loss of the constant predictor
+        (the training split's positive rate); a split is None while unknown (the held-out one until the
+        first evaluation has counted it, the training one when the dataset does not report it)."""
+        train = self.train_split()
+        held = None if self.held_out is None else SplitStats(**self.held_out)
+        out: dict[str, Any] = {
+            "splits": {
+                name: None if s is None else s.as_dict() for name, s in (("train", train), ("eval", held))
+            },
+            "constant_logloss": None,
+        }
+        if train is not None and held is not None:
+            constant = constant_logloss(train, held)
+            out["constant_logloss"] = None if math.isnan(constant) else constant
+        return out
+
+    def train_split(self) -> SplitStats | None:
+        """Rows and positives of the training split as the dataset reports them (None: it does not)."""
+        if self._train_split is None:
+            found = split_stats_of(self.data)
+            self._train_split = None if not found else found.get("train")
+        return self._train_split
+
+    def _evaluation(self, pipeline: TrainPipelineSparseDist, metrics: MetricsLog, bar: tqdm) -> Evaluation:
+        """Evaluate, log beside the constant baseline, and keep the checkpoint of a new best (collective)."""
+        auc, logloss = self.evaluate(pipeline)
+        e = Evaluation(step=self.step, auc=None if math.isnan(auc) else auc, logloss=logloss)
+        baseline = self.baseline()["constant_logloss"]
+        keep = bool(self.config.eval.every) and self.selection.improves(e)
+        if keep:
+            path = self.save(best=True)
+            e = Evaluation(step=e.step, auc=e.auc, logloss=e.logloss, digest=self.digest(checkpoint=path))
+        self.selection.update(e)
+        with writing(metrics.path):
+            metrics.write(
+                kind="eval", step=self.step, auc=auc, logloss=logloss, constant_logloss=baseline, best=keep
+            )
+        if self.env.is_main:
+            shown = "n/a" if e.auc is None else f"{e.auc:.4f}"
+            versus = "" if baseline is None else f" (constant predictor {baseline:.4f})"
+            bar.write(
+                f"step {self.step}: eval auc {shown} logloss {logloss:.4f}{versus}"
+                + (" best" if keep else "")
+            )
+        return e
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _all_mean(self, values: list[float]) -> list[float]:
@@ -547,7 +626,8 @@ class Trainer:
         train_time = 0.0
         trained_samples = 0
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
-        result: dict[str, Any] = {}
+        result: dict[str, Any] = {"stopped_early": False}
+        last: Evaluation | None = None
         counters: dict[str, torch.Tensor] = {}
         warned: dict[str, int] = {}
         logs = 0
@@ -588,31 +668,39 @@ class Trainer:
                 with writing(metrics.path):
                     metrics.write(kind="train", step=self.step, loss=mean_loss, samples_per_s=rate, **extra)
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            stop_early = False
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < tcfg.steps:
-                auc, logloss = self.evaluate(pipeline)
-                with writing(metrics.path):
-                    metrics.write(kind="eval", step=self.step, auc=auc, logloss=logloss)
-                if self.env.is_main:
-                    bar.write(f"step {self.step}: eval auc {auc:.4f} logloss {logloss:.4f}")
+                last = self._evaluation(pipeline, metrics, bar)
+                stop_early = self.selection.exhausted
                 window_start = time.perf_counter()
             if tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0 and self.step < tcfg.steps:
                 self.save()
                 window_start = time.perf_counter()
+            if stop_early:
+                assert self.selection.best is not None
+                message = (
+                    f"stopping early at step {self.step}: {cfg.eval.patience} evaluation(s) without a better "
+                    f"held-out {cfg.eval.select} than step {self.selection.best.step}'s"
+                )
+                if self.env.is_main:
+                    bar.write(message)
+                    log.info(message)
+                result["stopped_early"] = True
+                break
         bar.close()
         if self.tiered is not None:
             self._train_counters = {
                 name: value - self._eval_counters.get(name, torch.zeros_like(value))
                 for name, value in self.tiered.counters().items()
             }
-        # Drain the pipeline's prefetched batches (none remain: the iterator stops at train.steps).
-        auc, logloss = self.evaluate(pipeline)
-        with writing(metrics.path):
-            metrics.write(kind="eval", step=self.step, auc=auc, logloss=logloss)
-        if tcfg.checkpoint_every:
+        if not result.get("stopped_early") or last is None or last.step != self.step:
+            # Drain the pipeline's prefetched batches (none remain: the iterator stops at train.steps).
+            last = self._evaluation(pipeline, metrics, bar)
+        if tcfg.checkpoint_every and self._saved_step != self.step:
             self.save()
         result.update(
-            auc=auc,
-            logloss=logloss,
+            auc=last.auc,
+            logloss=last.logloss,
             steps=self.step,
             samples=self.step * tcfg.batch_size,  # the whole run's, resumed parts included
             samples_this_process=trained_samples,
@@ -658,15 +746,15 @@ def _warn_folded(cfg: RunConfig, features: list[str], spaces: list[int], fold: l
 def _start_fresh(out_dir: Path) -> None:
     """A new (not resumed) run replaces the metrics and checkpoints of an earlier run in the same place."""
     stale = [p for p in (out_dir / "metrics.jsonl", out_dir / "summary.json") if p.exists()]
-    ckpts = out_dir / "checkpoints"
-    if stale or ckpts.exists():
+    folders = [p for p in (out_dir / "checkpoints", out_dir / "best") if p.exists()]
+    if stale or folders:
         log.warning(
             "starting a fresh run in %s: replacing the earlier run's metrics and checkpoints", out_dir
         )
     for path in stale:
         path.unlink()
-    if ckpts.exists():
-        shutil.rmtree(ckpts)
+    for folder in folders:
+        shutil.rmtree(folder)
 
 
 def _lock_run_dir(out_dir: Path, env: DistEnv) -> contextlib.AbstractContextManager[Any]:
@@ -741,7 +829,27 @@ def run(
                     for message in tier_warnings:
                         log.warning(message)
             trainer.close()
+            selection = trainer.selection
+            summary.update(trainer.baseline())
+            constant = summary["constant_logloss"]
+            if constant is not None and not summary["logloss"] < constant:
+                message = (
+                    f"THE MODEL IS NO BETTER THAN A CONSTANT: held-out logloss {summary['logloss']:.4f} is not below "
+                    f"{constant:.4f}, the logloss of always predicting the training split's positive rate"
+                )
+                tier_warnings.append(message)
+                if env.is_main:
+                    log.warning(message)
             summary.update(
+                last={
+                    "step": trainer.step,
+                    "auc": summary["auc"],
+                    "logloss": summary["logloss"],
+                    "digest": digest,
+                },
+                best=None
+                if not config.eval.every or selection.best is None
+                else {**dataclasses.asdict(selection.best), "checkpoint": str(trainer.best_root)},
                 model=config.model.name.value,
                 world_size=env.world_size,
                 backend=env.backend,

@@ -73,15 +73,28 @@ class EvalConfig:
     """Evaluation on the held-out split (section ``[eval]``).
 
     Attributes:
-        every: steps between evaluations (0: only at the end).
+        every: steps between evaluations (0: only at the end). With ``every > 0`` the run also keeps the
+            checkpoint of its best evaluation in ``<run>/best/``.
         batch_size: samples per rank per evaluation batch.
+        select: the held-out metric that picks the best evaluation: ``logloss`` (lower is better) or
+            ``auc`` (higher is better).
+        patience: stop training after this many evaluations in a row without a better ``select`` metric
+            (0: never stop early).
     """
 
     every: int = 0
     batch_size: int = 4096
+    select: str = "logloss"
+    patience: int = 0
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"every must be >= 0, got {self.every}")
+        if self.select not in ("logloss", "auc"):
+            raise ValueError(f"select must be 'logloss' or 'auc', got {self.select!r}")
+        if self.patience < 0:
+            raise ValueError(f"patience must be >= 0, got {self.patience}")
+        if self.patience and not self.every:
+            raise ValueError("patience needs every > 0 (evaluations during training)")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")

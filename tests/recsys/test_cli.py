@@ -13,7 +13,19 @@ def test_cli_surface_is_frozen():
     """Renaming or dropping a flag breaks users' scripts: change this test only on purpose."""
     train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
     flags = sorted(opt for action in train._actions for opt in action.option_strings)
-    assert flags == sorted(["--config", "--nproc", "--out", "--resume", "--set", "-h", "--help"])
+    assert flags == sorted(
+        [
+            "--config",
+            "--nproc",
+            "--out",
+            "--resume",
+            "--allow-config-change",
+            "--seeds",
+            "--set",
+            "-h",
+            "--help",
+        ]
+    )
     prep = build_parser()._subparsers._group_actions[0].choices["preprocess"]  # type: ignore[union-attr]
     flags = sorted(opt for action in prep._actions for opt in action.option_strings)
     assert flags == sorted(["--out", "--no-label", "--on-error", "-h", "--help"])
