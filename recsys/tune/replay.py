@@ -5,8 +5,17 @@ routed to its owner exactly as :meth:`recsys.tiered.TieredTables.route` does.
 Each rank deduplicates its batch's ids per tiered table; the owner (table-wise: the table's one rank;
 row-wise: :func:`recsys.tiered.owner_of_ids`) receives one copy per sending rank. The result is one
 :class:`~recsys.tune.trace.Trace` per (table, owner): its batches' distinct ids weighted by the number of
-ranks that sent them. Evaluations (``eval.every``) are replayed where the run does them, as unweighted
-batches, because they pass through the same caches.
+ranks that sent them. Evaluations (``eval.every``, and the final one after ``train.steps``) are replayed
+where the run does them, as unweighted batches, because they pass through the same caches.
+
+Batches in flight (:func:`batches_in_flight`): TorchRec's ``TrainPipelineSparseDist`` takes batch i + 2
+from the feed while it computes batch i, and the training loop releases batch i's pins after that step.
+In ``pipeline.mode = "sequential"`` taking batch i + 2 fills it there and then, beside batches i and
+i + 1: three batches. In ``pipelined`` mode the fill stage (capacity 1) may fill batch i + 3 as soon as
+batch i + 2 is taken — before batch i is released — so a fill can find four batches pinned (itself
+included); whether it does depends on thread timing, so the minimum counts four. An evaluation after
+step s runs beside the training batches already filled and not released: s, s + 1 (and s + 2 when
+pipelined), never more than the run has.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipelines import PipelineMode
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.data.source import build_dataset
@@ -25,10 +35,19 @@ from recsys.sparse import ShardingKind
 from recsys.tiered import owner_of_ids
 from recsys.tune.trace import Trace, TraceBuilder
 
-__all__ = ["Replay", "replay", "tiered_features", "EVAL_LAG_BATCHES"]
+__all__ = ["Replay", "batches_in_flight", "replay", "tiered_features"]
 
-# An evaluation starts after training step s; by then the pipeline has filled about two more batches.
-EVAL_LAG_BATCHES = 2
+# Training batches pinned when a batch is filled, itself included (see the module docstring).
+PIPELINED_BATCHES_IN_FLIGHT = 4
+SEQUENTIAL_BATCHES_IN_FLIGHT = 3
+
+
+def batches_in_flight(config: RunConfig) -> int:
+    """Training batches whose rows can be pinned at once when a training batch is filled (itself
+    included); an evaluation after step s runs beside the one fewer batches from s on."""
+    if config.pipeline.mode is PipelineMode.SEQUENTIAL:
+        return SEQUENTIAL_BATCHES_IN_FLIGHT
+    return PIPELINED_BATCHES_IN_FLIGHT
 
 
 @dataclass(frozen=True)
@@ -41,6 +60,7 @@ class Replay:
         train_batches: training batches replayed.
         world_size: ranks of the run.
         row_wise: whether tables are sharded row-wise (each rank owns a hash share of every table).
+        pinned_batches: :func:`batches_in_flight` of the run.
     """
 
     traces: dict[str, list[Trace]]
@@ -48,6 +68,7 @@ class Replay:
     train_batches: int
     world_size: int
     row_wise: bool
+    pinned_batches: int
 
 
 def tiered_features(config: RunConfig, features: list[str]) -> list[str]:
@@ -65,53 +86,78 @@ def _values(batch: Batch) -> dict[str, torch.Tensor]:
     return dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()), strict=True))
 
 
-def replay(config: RunConfig, *, batches: int | None = None) -> Replay:
-    """Read ``batches`` training steps (default ``train.steps``) of every rank and route them to owners."""
+def replay(
+    config: RunConfig,
+    *,
+    batches: int | None = None,
+    world_size: int | None = None,
+    features: list[str] | None = None,
+) -> Replay:
+    """Read ``batches`` training steps (default ``train.steps``) of every rank and route them to owners.
+
+    ``world_size`` overrides ``train.nproc``; ``features`` limits the traces to some tiered features
+    (default: every tiered one). The final evaluation is replayed when the steps reach ``train.steps``.
+
+    Raises:
+        UserError: no tiered tables, ``batches`` < 1, or a feature of ``features`` that is not tiered.
+    """
     cfg = config
     if not cfg.store.tiered:
         raise UserError("tune-cache needs tiered tables: set store.tiered = true (and store.tables)")
     steps = cfg.train.steps if batches is None else batches
     if steps < 1:
         raise UserError(f"--batches must be >= 1, got {steps}")
-    world = cfg.train.nproc
+    world = cfg.train.nproc if world_size is None else world_size
     row_wise = cfg.sparse.sharding is ShardingKind.ROW_WISE
     owners = world if row_wise else 1
     data = build_dataset(cfg.data, synthetic=cfg.synthetic, seed=cfg.train.seed)
-    features = tiered_features(cfg, data.feature_names)
+    tiered = tiered_features(cfg, data.feature_names)
+    if features is not None:
+        untiered = [f for f in features if f not in tiered]
+        if untiered:
+            raise UserError(f"features {untiered} have no tiered table; tiered features are {tiered}")
+        tiered = [f for f in tiered if f in features]
+    features = tiered
+    pinned = batches_in_flight(cfg)
     # Tiered tables keep raw ids (train.py folds only plain tables whose id space exceeds the table).
     builders = {f: [TraceBuilder() for _ in range(owners)] for f in features}
 
-    def add(rank_batches: list[Batch], *, train: bool) -> None:
+    def add(rank_batches: list[Batch], *, train: bool, held: int = -1) -> None:
         per_rank = [_values(b) for b in rank_batches]
         for f in features:
             uniq = [torch.unique(v[f]) for v in per_rank]
             if row_wise and world > 1:
                 for owner in range(owners):
                     mine = [u[owner_of_ids(u, world) == owner] for u in uniq]
-                    _add_merged(builders[f][owner], mine, train=train)
+                    _add_merged(builders[f][owner], mine, train=train, held=held)
             else:
-                _add_merged(builders[f][0], uniq, train=train)
+                _add_merged(builders[f][0], uniq, train=train, held=held)
+
+    def evaluate(held: int) -> None:
+        for parts in zip(
+            *(
+                data.eval_batches(rank=r, world_size=world, batch_size=cfg.eval.batch_size)
+                for r in range(world)
+            ),
+            strict=True,
+        ):
+            add(list(parts), train=False, held=held)
 
     sources: list[Iterator[Batch]] = [
         data.train_batches(rank=r, world_size=world, batch_size=cfg.train.batch_size, start_step=0)
         for r in range(world)
     ]
-    eval_at = (
-        {s + EVAL_LAG_BATCHES for s in range(cfg.eval.every, steps, cfg.eval.every)}
-        if cfg.eval.every
-        else set()
-    )
+    # The evaluation after step s runs once batches s .. s + pinned - 2 are filled (those that exist), and
+    # beside them: it goes after them in the trace, holding them. Several may go after the last batch.
+    evals: dict[int, list[int]] = {}
+    for s in range(cfg.eval.every, steps, cfg.eval.every) if cfg.eval.every else ():
+        evals.setdefault(min(s + pinned - 1, steps), []).append(s)
+    if steps >= cfg.train.steps:
+        evals.setdefault(steps, []).append(steps)  # the final evaluation: nothing left in flight
     for step in range(steps):
         add([next(src) for src in sources], train=True)
-        if step + 1 in eval_at:
-            for parts in zip(
-                *(
-                    data.eval_batches(rank=r, world_size=world, batch_size=cfg.eval.batch_size)
-                    for r in range(world)
-                ),
-                strict=True,
-            ):
-                add(list(parts), train=False)
+        for s in evals.get(step + 1, []):
+            evaluate(held=step + 1 - s)
     traces = {f"t_{f}": [b.build() for b in builders[f]] for f in features}
     return Replay(
         traces=traces,
@@ -119,14 +165,15 @@ def replay(config: RunConfig, *, batches: int | None = None) -> Replay:
         train_batches=steps,
         world_size=world,
         row_wise=row_wise,
+        pinned_batches=pinned,
     )
 
 
-def _add_merged(builder: TraceBuilder, parts: list[torch.Tensor], *, train: bool) -> None:
+def _add_merged(builder: TraceBuilder, parts: list[torch.Tensor], *, train: bool, held: int) -> None:
     """One owner's batch: the union of the senders' distinct ids, weighted by how many sent each."""
     if len(parts) == 1:
         ids = parts[0].numpy()
-        builder.add(ids, np.ones(ids.shape[0], np.int64), train=train)
+        builder.add(ids, np.ones(ids.shape[0], np.int64), train=train, held=held)
         return
     ids, counts = np.unique(torch.cat(parts).numpy(), return_counts=True)
-    builder.add(ids, counts, train=train)
+    builder.add(ids, counts, train=train, held=held)

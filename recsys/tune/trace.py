@@ -6,8 +6,12 @@ hits and misses per id it receives, and a table-wise owner receives one copy per
 of the evaluation channel are in the trace too (they change the cache) but carry no weight: predicted and
 measured hit rates are over training batches.
 
+Pins: a training batch is made resident beside the rows of the ``pinned_batches - 1`` training batches
+before it (still in flight); an evaluation batch beside the rows of the last ``held[b]`` training batches
+before it in the trace (the training batches the run has filled but not finished when it evaluates).
+
 Shapes: ``ids`` (N,) int64 compact ids in ``[0, num_ids)``; ``offsets`` (B + 1,); ``weights`` (N,) int64;
-``train`` (B,) bool.
+``train`` (B,) bool; ``held`` (B,) int64.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class Trace:
         train: (B,) True for training batches.
         num_ids: distinct ids in the trace.
         sample_rate: share of the id space kept by spatial sampling (1.0: the whole trace).
+        held: (B,) for an evaluation batch, how many of the training batches before it are still pinned
+            while it runs; -1 (and every training batch) means ``pinned_batches - 1``. None: all -1. As in
+            the store, fewer only after the last training batch (the next training batch pins them all),
+            and never more than the evaluation batch right before (released batches stay released).
     """
 
     ids: np.ndarray
@@ -50,6 +58,7 @@ class Trace:
     train: np.ndarray
     num_ids: int
     sample_rate: float = 1.0
+    held: np.ndarray | None = None
 
     @property
     def num_batches(self) -> int:
@@ -58,6 +67,13 @@ class Trace:
     @property
     def num_train_batches(self) -> int:
         return int(self.train.sum())
+
+    def held_batches(self, pinned_batches: int) -> np.ndarray:
+        """(B,) training batches before each batch whose rows are pinned beside it."""
+        default = max(0, pinned_batches - 1)
+        if self.held is None:
+            return np.full(self.num_batches, default, dtype=np.int64)
+        return np.where(self.train | (self.held < 0), default, self.held).astype(np.int64)
 
     def sample(self, rate: float, *, seed: int = 0) -> Trace:
         """SHARDS-style spatial sampling: keep the ids whose hash falls below ``rate``.
@@ -81,6 +97,7 @@ class Trace:
             train=self.train,
             num_ids=int(uniq.shape[0]),
             sample_rate=self.sample_rate * rate,
+            held=self.held,
         )
 
 
@@ -91,12 +108,15 @@ class TraceBuilder:
         self._ids: list[np.ndarray] = []
         self._weights: list[np.ndarray] = []
         self._train: list[bool] = []
+        self._held: list[int] = []
 
-    def add(self, ids: np.ndarray, weights: np.ndarray, *, train: bool) -> None:
-        """One batch: (n,) distinct raw ids and (n,) weights."""
+    def add(self, ids: np.ndarray, weights: np.ndarray, *, train: bool, held: int = -1) -> None:
+        """One batch: (n,) distinct raw ids and (n,) weights; ``held``: for an evaluation batch, the
+        training batches before it still pinned while it runs (-1: ``pinned_batches - 1``)."""
         self._ids.append(np.asarray(ids, dtype=np.int64))
         self._weights.append(np.asarray(weights, dtype=np.int64) if train else np.zeros(len(ids), np.int64))
         self._train.append(train)
+        self._held.append(-1 if train else held)
 
     def build(self) -> Trace:
         sizes = [a.shape[0] for a in self._ids]
@@ -108,6 +128,7 @@ class TraceBuilder:
             weights=np.concatenate(self._weights) if self._weights else np.empty(0, np.int64),
             train=np.array(self._train, dtype=bool),
             num_ids=int(uniq.shape[0]),
+            held=np.array(self._held, dtype=np.int64),
         )
 
 
@@ -177,8 +198,13 @@ class CapacityTooSmall(ValueError):
 
 
 def min_capacity(trace: Trace, *, pinned_batches: int = 4) -> int:
-    """Fewest rows that hold any batch together with the rows of the ``pinned_batches - 1`` training
-    batches before it (still in flight, so pinned)."""
+    """Fewest rows that hold any batch together with the rows pinned beside it: for a training batch, those
+    of the ``pinned_batches - 1`` training batches before it (still in flight); for an evaluation batch,
+    those of the last ``trace.held_batches(pinned_batches)[b]`` training batches before it.
+
+    The store refuses a batch exactly when its distinct ids and the pinned rows outnumber the slots, so
+    this is the smallest capacity :func:`simulate` (and the store) runs the whole trace with.
+    """
     if trace.ids.shape[0] == 0:
         return 0
     window = max(1, pinned_batches)
@@ -202,14 +228,19 @@ def min_capacity(trace: Trace, *, pinned_batches: int = 4) -> int:
     np.add.at(delta, lo[ok], 1)
     np.add.at(delta, hi[ok], -1)
     best = int(np.cumsum(delta)[:n_train].max()) if n_train else 0
-    # An evaluation batch beside the last window - 1 training batches before it.
+    # An evaluation batch beside the last `held` training batches before it.
+    held_of = trace.held_batches(window)
+    eval_batches = np.flatnonzero(~trace.train)
+    keep = int(held_of[eval_batches].max()) if eval_batches.shape[0] else 0
     held: list[np.ndarray] = []
     for b in range(trace.num_batches):
         ids = trace.ids[trace.offsets[b] : trace.offsets[b + 1]]
         if trace.train[b]:
-            held = [*held, ids][-(window - 1) :] if window > 1 else []
+            held = [*held, ids][-keep:] if keep else []
         else:
-            best = max(best, int(np.unique(np.concatenate([*held, ids])).shape[0]))
+            h = int(held_of[b])
+            beside = held[-h:] if h else []
+            best = max(best, int(np.unique(np.concatenate([*beside, ids])).shape[0]))
     return best
 
 
@@ -225,7 +256,8 @@ def simulate(
     """Replay ``trace`` through a cache of ``capacity`` rows the way the store's device tier runs it.
 
     Each batch pins its rows; a row used by one of the ``pinned_batches - 1`` training batches before
-    it is pinned too (still in flight). Misses take free rows, else evict unpinned rows chosen by the
+    it (an evaluation batch: the last ``trace.held_batches(pinned_batches)[b]``) is pinned too (still in
+    flight). Misses take free rows, else evict unpinned rows chosen by the
     policy: LRU (oldest batch first), LFU (fewest batches since it entered, then LRU), LOOKAHEAD (rows
     no batch of the next ``lookahead`` training batches uses first, LRU among them; then the furthest
     next use), BELADY (furthest next use of any batch).
@@ -246,6 +278,7 @@ def simulate(
     pos_of = np.zeros(u, dtype=np.int64)  # position of each resident id in buf
     filled = 0  # positions in use; evicted positions are refilled by the same batch
     lazy = _LazyOrder() if policy in (Policy.LRU, Policy.LOOKAHEAD) else None
+    held_of = trace.held_batches(pinned_batches)
     hits = requests = miss_rows = 0.0
     peak = 0
     per_batch: list[int] = []
@@ -267,14 +300,13 @@ def simulate(
         if need > 0:
             last_use[ids] = BIG  # the batch's own rows are pinned
             depth = lookahead if train and policy is Policy.LOOKAHEAD else 0
+            floor = k - 1 - int(held_of[b])  # rows last used in training after this batch are pinned
             victims = None
             if lazy is not None:
-                victims = lazy.take(
-                    need, buf[:filled], last_use, last_train, nxt, resident, k, pinned_batches, depth
-                )
+                victims = lazy.take(need, buf[:filled], last_use, last_train, nxt, resident, k, floor, depth)
             if victims is None:
                 res = buf[:filled]
-                pinned = last_train[res] > k - pinned_batches
+                pinned = last_train[res] > floor
                 pinned |= last_use[res] == BIG
                 cand = res[~pinned]
                 if need > cand.shape[0]:
@@ -326,6 +358,7 @@ class _LazyOrder:
         self.order = np.empty(0, dtype=np.int64)
         self.keys = np.empty(0, dtype=np.int64)
         self.ptr = 0
+        self.floor = -BIG  # rows last used in training after this batch were left out of the list
 
     def take(  # noqa: PLR0913 - the simulation's state, passed in rather than copied
         self,
@@ -336,13 +369,16 @@ class _LazyOrder:
         nxt: np.ndarray,
         resident: np.ndarray,
         k: int,
-        pinned_batches: int,
+        floor: int,
         depth: int,
     ) -> np.ndarray | None:
-        """``need`` victims, or None when the caller must scan every row."""
+        """``need`` victims, or None when the caller must scan every row; rows last used in training
+        after batch ``floor`` are pinned."""
         got: list[np.ndarray] = []
         total = 0
         rebuilt = False
+        if floor < self.floor:  # rows listed as unpinned may be pinned now: list them again
+            self.ptr = self.order.shape[0]
         while total < need:
             if self.ptr >= self.order.shape[0]:
                 if rebuilt:
@@ -351,10 +387,10 @@ class _LazyOrder:
                     return None
                 # Pinned rows are the youngest: leave them out (used again, they would be skipped anyway).
                 keys = last_use[res]
-                free = (last_train[res] <= k - pinned_batches) & (keys != BIG)
+                free = (last_train[res] <= floor) & (keys != BIG)
                 rows, keys = res[free], keys[free]
                 o = np.argsort(keys, kind="stable")
-                self.order, self.keys, self.ptr = rows[o], keys[o], 0
+                self.order, self.keys, self.ptr, self.floor = rows[o], keys[o], 0, floor
                 rebuilt = True
             end = min(self.order.shape[0], self.ptr + max(2 * (need - total), 512))
             chunk = self.order[self.ptr : end]

@@ -32,11 +32,8 @@ from recsys.tune.replay import Replay, replay
 from recsys.tune.split import split_budget
 from recsys.tune.trace import Policy, Trace, min_capacity, prepare, simulate
 
-__all__ = ["TuneResult", "tune", "PINNED_BATCHES", "SAMPLE_ABOVE_ACCESSES"]
+__all__ = ["TuneResult", "min_device_rows", "min_device_rows_by_feature", "tune", "SAMPLE_ABOVE_ACCESSES"]
 
-# Batches whose rows are pinned when a batch is filled: itself, the one TorchRec computes, the one it has
-# copied ahead, and the one the fill stage finished before (README: "four training batches").
-PINNED_BATCHES = 4
 # Traces of more accesses than this are sampled spatially down to about this many for the predictions at
 # the chosen capacities, and curves on the capacity grid use samples of about CURVE_SAMPLE_ACCESSES.
 # A sample keeps at least MIN_SAMPLED_IDS (curves: MIN_CURVE_IDS) distinct ids: small id spaces stay exact.
@@ -62,6 +59,7 @@ class _Table:
     distinct: int  # most distinct ids of one owner
     row_bytes: int
     owners: int
+    pinned: int  # training batches in flight at a fill (recsys.tune.replay.batches_in_flight)
     memo: dict[tuple[int, Policy, int], tuple[float, float, float, float]] = field(default_factory=dict)
     per_batch: dict[tuple[int, Policy, int], list[np.ndarray]] = field(default_factory=dict)
 
@@ -79,7 +77,7 @@ class _Table:
                 scaled,
                 policy=policy,
                 lookahead=lookahead,
-                pinned_batches=PINNED_BATCHES,
+                pinned_batches=self.pinned,
                 prepared=prep,
             )
             hits += res.hits
@@ -106,7 +104,7 @@ class _Table:
         fills = np.zeros(grid.shape[0])
         for trace, prep in zip(self.curve_traces, self.curve_prepared, strict=True):
             curve = policy_curve(
-                trace, grid, policy=policy, lookahead=lookahead, pinned_batches=PINNED_BATCHES, prepared=prep
+                trace, grid, policy=policy, lookahead=lookahead, pinned_batches=self.pinned, prepared=prep
             )
             req = float(trace.weights.sum())
             hit_sum += curve.hit_rates * req
@@ -130,6 +128,39 @@ class TuneResult:
 
     doc: dict[str, Any]
     curves: dict[str, dict[str, list[float]]]
+
+
+def table_min_rows(traces: list[Trace], pinned_batches: int) -> int:
+    """Device rows per owner that one table needs: the most of any owner's :func:`min_capacity`."""
+    return max(min_capacity(t, pinned_batches=pinned_batches) for t in traces)
+
+
+def min_device_rows_by_feature(
+    config: RunConfig, *, world_size: int, batches: int | None = None, features: list[str] | None = None
+) -> dict[str, int]:
+    """Per tiered feature (or those of ``features``), the fewest device slots per owning rank with which
+    ``config`` trains on ``world_size`` ranks: the ``min_device_rows`` of ``recsys tune-cache`` (which
+    replays the same batches, ``train.nproc`` ranks), from one replay of the first ``batches`` training
+    steps (default ``train.steps``, the whole run with its final evaluation).
+
+    A smaller capacity fails the run with the store's capacity error, for certain in
+    ``pipeline.mode = "sequential"`` and when the fill stage wins its race in ``pipelined`` mode.
+
+    Raises:
+        UserError: the config has no tiered tables, or a feature of ``features`` is not tiered.
+    """
+    rep = replay(config, batches=batches, world_size=world_size, features=features)
+    return {
+        rep.features[name]: table_min_rows(traces, rep.pinned_batches) for name, traces in rep.traces.items()
+    }
+
+
+def min_device_rows(config: RunConfig, feature: str, *, world_size: int, batches: int | None = None) -> int:
+    """The fewest device slots per owning rank that the table of ``feature`` needs to train ``config`` on
+    ``world_size`` ranks (see :func:`min_device_rows_by_feature`; only that table is traced)."""
+    return min_device_rows_by_feature(config, world_size=world_size, batches=batches, features=[feature])[
+        feature
+    ]
 
 
 def _sample(trace: Trace, accesses: int, min_ids: int) -> Trace:
@@ -176,10 +207,11 @@ def tune(
                 prepared=[prepare(t) for t in sampled],
                 curve_traces=for_curves,
                 curve_prepared=[prepare(t) for t in for_curves],
-                min_rows=max(min_capacity(t, pinned_batches=PINNED_BATCHES) for t in traces),
+                min_rows=table_min_rows(traces, rep.pinned_batches),
                 distinct=max(max(t.num_ids for t in traces), 1),
                 row_bytes=rbytes,
                 owners=len(traces),
+                pinned=rep.pinned_batches,
             )
         )
     min_bytes = sum(t.min_rows * t.row_bytes * t.owners for t in tables)
@@ -188,7 +220,7 @@ def tune(
         raise UserError(
             f"--device-budget {_format_bytes(device_budget)} cannot hold the batches in flight: the tiered "
             f"tables need at least {_format_bytes(min_bytes)} ({min_bytes} bytes: {worst} per owner, "
-            f"{rbytes} bytes a row, {PINNED_BATCHES} training batches pinned)"
+            f"{rbytes} bytes a row, {rep.pinned_batches} training batches pinned)"
         )
 
     # Curves of every policy on a grid per table (full-trace rows), for the report and the split.
@@ -322,7 +354,7 @@ def tune(
         "sharding": "row_wise" if rep.row_wise else "table_wise",
         "policy": policy.value,
         "lookahead": lookahead,
-        "pinned_batches": PINNED_BATCHES,
+        "pinned_batches": rep.pinned_batches,
         "device_budget_bytes": device_budget,
         "host_budget_bytes": host_budget,
         "device_bytes": sum(d * t.row_bytes * t.owners for d, t in zip(device_rows, tables, strict=True)),
