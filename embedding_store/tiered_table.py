@@ -164,9 +164,12 @@ class TieredTable:
         candidates = device.evictable() if need > 0 else np.empty(0, dtype=np.int64)
         if need > candidates.shape[0]:
             device.unpin(key)
+            # Slots this batch cannot have: its own resident rows and those of the other batches in flight.
+            pinned = device.capacity - device.num_free - candidates.shape[0]
             raise StoreCapacityError(
                 f"table {self.spec.name!r}: batch needs {miss_ids.shape[0]} new slots, only "
-                f"{device.num_free + candidates.shape[0]} free or evictable of {device.capacity}"
+                f"{device.num_free + candidates.shape[0]} free or evictable of {device.capacity}: with the "
+                f"{pinned} pinned by it and the batches in flight it needs at least {pinned + miss_ids.shape[0]}"
             )
         rows = self._fetch_up(miss_ids, future)  # (M, R)
         if need > 0:
