@@ -1,0 +1,232 @@
+"""The serving bundle: what ``recsys export`` writes and :func:`recsys.serving.load_bundle` reads.
+
+Layout of a bundle directory (no pickle anywhere: JSON, safetensors and raw float32 rows in LMDB)::
+
+    manifest.json        format name and version, size and BLAKE2b checksum of every other file
+    model.json           the model (architecture, features, tables, initialisation) and the training config
+    dense.safetensors    dense parameters under their checkpoint state-dict names
+    tables.safetensors   plain tables: ``<table>.weight`` (rows, dim) [and ``<table>.state``]
+    tiered/data.mdb      tiered tables: one LMDB named DB per table, 8-byte big-endian id keys in
+                         ascending order, values the packed float32 row (weights [then optimizer state])
+
+The file set is fixed (:data:`FILES`), so a manifest can never name a file outside the bundle. Reading a
+bundle checks that every file is there, has its recorded size and (``verify=True``) its checksum, and
+that nothing else is there; any problem is one :class:`BundleError` line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recsys.errors import UserError
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "FILES",
+    "Bundle",
+    "BundleError",
+    "FeatureSpec",
+    "describe_files",
+    "file_digest",
+    "read_bundle",
+]
+
+FORMAT = "tierrec-serving-bundle"
+# Version 1: the layout above. A reader refuses any other version rather than guess at its meaning.
+VERSION = 1
+MANIFEST = "manifest.json"
+MODEL, DENSE, TABLES, TIERED = "model.json", "dense.safetensors", "tables.safetensors", "tiered/data.mdb"
+FILES = (MODEL, DENSE, TABLES, TIERED)
+_CHUNK = 1 << 20
+_MODELS = ("dlrm", "dcn", "logistic")
+_KINDS = ("plain", "tiered")
+
+
+class BundleError(UserError):
+    """A bundle that is incomplete, altered, of another format version or inconsistent (one line)."""
+
+
+def file_digest(path: Path) -> str:
+    """BLAKE2b (16 bytes, hex) of a file, read in chunks: a tiered table may be larger than memory."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def describe_files(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Manifest entries ``{name: {"bytes", "blake2b"}}`` of files of ``root``."""
+    return {n: {"bytes": (root / n).stat().st_size, "blake2b": file_digest(root / n)} for n in names}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class FeatureSpec:
+    """One sparse feature of the model and its sum-pooled table.
+
+    Attributes:
+        name: the feature (a key of the scorer's sparse input).
+        table: its table's name (``t_<feature>``), also the init stream key of its rows.
+        kind: ``plain`` (all rows in ``tables.safetensors``; ids are folded modulo ``rows``, as training
+            folds them) or ``tiered`` (rows in ``tiered/data.mdb``, raw ids).
+        dim: embedding dimension.
+        rows: plain: the table's rows; tiered: the rows stored (ids ever touched in training).
+        id_space: tiered: ids must lie in ``[0, id_space)``; None for raw 64-bit ids.
+    """
+
+    name: str
+    table: str
+    kind: str
+    dim: int
+    rows: int
+    id_space: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Bundle:
+    """A bundle whose files were checked against its manifest, and its parsed ``model.json``."""
+
+    path: Path
+    model: dict[str, Any]
+    features: tuple[FeatureSpec, ...]
+
+    @property
+    def arch(self) -> dict[str, Any]:
+        """The ``[model]`` settings: name, embedding_dim, dense_arch, over_arch, dcn_* ."""
+        return self.model["model"]
+
+    @property
+    def num_dense(self) -> int:
+        return int(self.model["num_dense"])
+
+    @property
+    def init(self) -> tuple[int, float]:
+        """``(seed, scale)`` of the deterministic initial rows (:func:`embedding_store.init_rows`)."""
+        return int(self.model["init"]["seed"]), float(self.model["init"]["scale"])
+
+    @property
+    def row_floats(self) -> int:
+        """Floats per stored tiered row: the weights, then the optimizer state when it was kept."""
+        return int(self.model["row_floats"])
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+def _fail(path: Path, problem: str) -> BundleError:
+    return BundleError(f"bundle {path}: {problem}")
+
+
+def _listed_files(path: Path) -> set[str]:
+    """Every non-folder entry under ``path``, relative, as manifest names."""
+    found = set()
+    for here, _dirs, names in os.walk(path):
+        rel = Path(here).relative_to(path)
+        found |= {(rel / n).as_posix() for n in names}
+    return found
+
+
+def _check_manifest(path: Path, verify: bool) -> dict[str, Any]:
+    try:
+        text = (path / MANIFEST).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise _fail(path, f"incomplete: {MANIFEST} is missing (was the export interrupted?)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise _fail(path, f"unreadable {MANIFEST} ({err})") from None
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        raise _fail(path, f"{MANIFEST} is not JSON (altered?)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        what = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise _fail(path, f"{MANIFEST} is not a serving bundle's (format {str(what)[:40]!r}, not {FORMAT!r})")
+    if manifest.get("version") != VERSION:
+        raise _fail(
+            path,
+            f"format version {manifest.get('version')!r}, but this tierrec reads version {VERSION}; "
+            "export the checkpoint again with `recsys export`",
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise _fail(path, f"{MANIFEST} lists no files (altered?)")
+    unknown = sorted(str(n) for n in files if n not in FILES)
+    if unknown:
+        raise _fail(path, f"{MANIFEST} lists {unknown[0]!r}, which is not a bundle file (altered?)")
+    for name in (MODEL, DENSE, TABLES):
+        if name not in files:
+            raise _fail(path, f"{MANIFEST} does not list {name} (altered?)")
+    present = _listed_files(path)
+    extra = sorted(present - set(files) - {MANIFEST})
+    if extra:
+        raise _fail(path, f"{extra[0]} is not listed in {MANIFEST} (altered?)")
+    for name, entry in files.items():
+        file = path / name
+        if name not in present:
+            raise _fail(path, f"incomplete: {name} is missing")
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
+            raise _fail(path, f"{MANIFEST} entry of {name} is malformed (altered?)")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise _fail(
+                path, f"{name} is truncated or altered ({size} bytes, the manifest says {entry['bytes']})"
+            )
+        if verify and file_digest(file) != entry.get("blake2b"):
+            raise _fail(path, f"{name} is altered (checksum mismatch)")
+    return manifest
+
+
+def _features(path: Path, model: dict[str, Any], has_tiered: bool) -> tuple[FeatureSpec, ...]:
+    out = []
+    for i, raw in enumerate(model.get("features") or []):
+        try:
+            spec = FeatureSpec(**raw)
+        except TypeError:
+            raise _fail(path, f"{MODEL}: feature #{i} is malformed: {str(raw)[:80]}") from None
+        if spec.kind not in _KINDS or spec.dim < 1 or spec.rows < 0:
+            raise _fail(
+                path,
+                f"{MODEL}: feature {spec.name!r} has kind {spec.kind!r}, dim {spec.dim}, rows {spec.rows}",
+            )
+        out.append(spec)
+    if not out:
+        raise _fail(path, f"{MODEL} lists no features")
+    if any(f.kind == "tiered" for f in out) and not has_tiered:
+        raise _fail(path, f"incomplete: the model has tiered tables but the manifest lists no {TIERED}")
+    return tuple(out)
+
+
+def read_bundle(path: str | os.PathLike[str], *, verify: bool = True) -> Bundle:
+    """Check a bundle against its manifest and parse its ``model.json``.
+
+    ``verify=False`` checks presence and sizes only, not checksums (reading every byte of a large
+    tiered table takes about a second per GB).
+
+    Raises:
+        BundleError: one line naming the problem (missing or unlisted file, size or checksum mismatch,
+            another format version, a malformed ``model.json``).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise BundleError(f"bundle {path} is not a directory")
+    manifest = _check_manifest(path, verify)
+    try:
+        model = json.loads((path / MODEL).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise _fail(path, f"unreadable {MODEL} ({err})") from None
+    if not isinstance(model, dict):
+        raise _fail(path, f"{MODEL} is not a JSON object")
+    for key in ("model", "num_dense", "features", "init", "row_floats"):
+        if key not in model:
+            raise _fail(path, f"{MODEL} lacks {key!r}")
+    name = model["model"].get("name") if isinstance(model["model"], dict) else None
+    if name not in _MODELS:
+        raise _fail(path, f"{MODEL}: unknown model {name!r}; known: {', '.join(_MODELS)}")
+    features = _features(path, model, TIERED in manifest["files"])
+    return Bundle(path, model, features)

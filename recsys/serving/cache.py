@@ -1,0 +1,200 @@
+"""Tiered rows at serving time: a read-only LMDB of a bundle and an LRU host-DRAM cache over it.
+
+:class:`LmdbRows` reads the rows of sorted ids from the bundle's ``tiered/data.mdb`` (opened read-only and
+without a lock file, so a bundle on a read-only file system serves). :class:`RowCache` keeps up to
+``capacity`` rows of one table in a preallocated arena: lookups are vectorised (an id -> position map
+from the store), eviction is least-recently-used by batch, so a table larger than RAM is served with
+the hot rows in memory. Rows never stored get ``fill(ids)`` (the deterministic initial rows, or zeros).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import torch
+
+from embedding_store.index import DenseIdMap, HashIdMap
+from recsys.serving.bundle import FeatureSpec
+
+__all__ = ["CacheStats", "LmdbRows", "RowCache"]
+
+# Bounded id spaces up to this size get a dense id -> position array (4 bytes per possible id).
+_DENSE_MAP_MAX_IDS = 1 << 22
+# When the arena is full, eviction frees this share of it at once: one partial sort per many misses.
+_EVICT_FRACTION = 16
+
+
+def _keys(ids: np.ndarray) -> list[bytes]:
+    """(N,) int64 ids >= 0 -> 8-byte big-endian keys (LMDB's byte order is then ascending id order)."""
+    return np.ascontiguousarray(ids, dtype=">u8").view("V8").tolist()
+
+
+class LmdbRows:
+    """Read-only access to the tiered tables of a bundle (thread-safe: a read transaction per call).
+
+    Args:
+        path: the bundle's ``tiered`` folder.
+        tables: the tables' names (the LMDB named databases).
+        row_floats: float32 values per stored row; ``dim`` leading ones are the weights.
+    """
+
+    def __init__(self, path: Path, *, tables: list[str], row_floats: int) -> None:
+        # lock=False: nothing ever writes this environment, so readers need no lock table (and no
+        # lock.mdb appears in the bundle). readahead=False: lookups are random.
+        self._env = lmdb.open(
+            str(path), readonly=True, lock=False, subdir=True, max_dbs=len(tables) + 1, readahead=False
+        )
+        self._dbs = {t: self._env.open_db(t.encode(), create=False) for t in tables}
+        self.row_floats = row_floats
+
+    def read(self, table: str, ids: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """Weights of (N,) sorted unique ids: ``(found (N,) bool, rows (F, dim))`` for the F found ids."""
+        found = np.zeros(ids.shape[0], dtype=bool)
+        if ids.shape[0] == 0:
+            return found, np.empty((0, dim), dtype=np.float32)
+        with self._env.begin(db=self._dbs[table], buffers=False) as txn:
+            pairs = txn.cursor().getmulti(_keys(ids))
+        if len(pairs) == ids.shape[0]:
+            found[:] = True
+        elif pairs:
+            found_ids = np.frombuffer(b"".join(k for k, _ in pairs), dtype=">u8").astype(np.int64)
+            found[np.searchsorted(ids, found_ids)] = True
+        values = b"".join(v for _, v in pairs)
+        if len(values) != 4 * self.row_floats * len(pairs):
+            raise ValueError(f"tiered table {table!r}: rows of unexpected size in the bundle")
+        rows = np.frombuffer(values, dtype=np.float32).reshape(len(pairs), self.row_floats)
+        return found, np.ascontiguousarray(rows[:, :dim])
+
+    def count(self, table: str) -> int:
+        with self._env.begin(db=self._dbs[table]) as txn:
+            return int(txn.stat(self._dbs[table])["entries"])
+
+    def close(self) -> None:
+        self._env.close()
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Counters of one table's cache, per distinct id of each lookup.
+
+    ``hits``: found in the cache; ``misses``: not (``stored`` of them read from LMDB, ``unseen`` never
+    stored, given their initial or zero rows); ``rows``: rows held now, of ``capacity``.
+    """
+
+    hits: int
+    misses: int
+    stored: int
+    unseen: int
+    rows: int
+    capacity: int
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+
+class RowCache:
+    """LRU cache of one tiered table's weights over the bundle's LMDB; thread-safe.
+
+    Args:
+        source: the bundle's tiered rows.
+        feature: the tiered feature (its table's name, dimension and id space).
+        capacity: rows held at most (0: no cache, every lookup reads LMDB).
+        fill: ``ids -> (n, dim) float32`` rows of ids that were never stored.
+
+    ``lookup(ids)`` returns exactly the rows an uncached read returns, whatever the capacity.
+    """
+
+    def __init__(
+        self,
+        source: LmdbRows,
+        feature: FeatureSpec,
+        *,
+        capacity: int,
+        fill: Callable[[np.ndarray], np.ndarray],
+    ) -> None:
+        if capacity < 0:
+            raise ValueError(f"cache capacity must be >= 0 rows, got {capacity}")
+        self._source, self._fill = source, fill
+        self.table, self.dim, self.capacity = feature.table, feature.dim, capacity
+        id_space = feature.id_space
+        self._lock = threading.Lock()
+        self._arena = np.zeros((capacity, self.dim), dtype=np.float32)
+        self._id_at = np.full(capacity, -1, dtype=np.int64)  # the id held at each position, -1 free
+        self._last_use = np.zeros(capacity, dtype=np.int64)  # tick of the last lookup that used it
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack of free positions
+        self._num_free = capacity
+        self._tick = 0
+        dense = id_space is not None and id_space <= max(_DENSE_MAP_MAX_IDS, 4 * capacity)
+        self._map = DenseIdMap(id_space) if dense else HashIdMap(max(1, capacity))
+        self._hits = self._misses = self._stored = self._unseen = 0
+
+    def lookup(self, ids: np.ndarray) -> torch.Tensor:
+        """Rows of (N,) sorted unique int64 ids as a (N, dim) float32 tensor."""
+        out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
+        with self._lock:
+            self._tick += 1
+            pos = self._map.lookup(ids) if self.capacity else np.full(ids.shape[0], -1, dtype=np.int64)
+            hit = pos >= 0
+            held = pos[hit]
+            self._last_use[held] = self._tick
+            out[hit] = self._arena[held]
+            self._hits += int(held.shape[0])
+        missing = np.flatnonzero(~hit)
+        if missing.shape[0]:
+            # LMDB and the initialisation run without the lock, so that threads overlap their reads.
+            miss_ids = ids[missing]
+            found, rows = self._source.read(self.table, miss_ids, self.dim)
+            fetched = np.empty((miss_ids.shape[0], self.dim), dtype=np.float32)
+            fetched[found] = rows
+            if not found.all():
+                fetched[~found] = self._fill(miss_ids[~found])
+            out[missing] = fetched
+            with self._lock:
+                self._misses += int(miss_ids.shape[0])
+                self._stored += int(found.sum())
+                self._unseen += int((~found).sum())
+                if self.capacity:
+                    self._insert(miss_ids, fetched)
+        return torch.from_numpy(out)
+
+    def _insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Cache rows just read (under the lock); another thread may have cached some meanwhile."""
+        new = self._map.lookup(ids) < 0
+        ids, rows = ids[new][: self.capacity], rows[new][: self.capacity]
+        n = ids.shape[0]
+        if n > self._num_free:
+            self._evict(max(n - self._num_free, self.capacity // _EVICT_FRACTION))
+        positions = self._free[self._num_free - n : self._num_free].copy()
+        self._num_free -= n
+        self._arena[positions] = rows
+        self._id_at[positions] = ids
+        self._last_use[positions] = self._tick
+        self._map.insert(ids, positions)
+
+    def _evict(self, n: int) -> None:
+        """Free the ``n`` least recently used positions."""
+        held = np.flatnonzero(self._id_at >= 0)
+        n = min(n, held.shape[0])
+        victims = held[np.argpartition(self._last_use[held], n - 1)[:n]] if n < held.shape[0] else held
+        self._map.remove(self._id_at[victims])
+        self._id_at[victims] = -1
+        self._free[self._num_free : self._num_free + victims.shape[0]] = victims
+        self._num_free += victims.shape[0]
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(
+                hits=self._hits,
+                misses=self._misses,
+                stored=self._stored,
+                unseen=self._unseen,
+                rows=self.capacity - self._num_free,
+                capacity=self.capacity,
+            )

@@ -1,0 +1,146 @@
+"""The ``recsys evaluate``, ``recsys export`` and ``recsys predict`` commands.
+
+``register(sub)`` adds their parsers to the CLI's subparsers; ``run(args)`` runs the one parsed. Heavy
+modules are imported when a command runs, so that ``recsys --help`` stays quick.
+
+``recsys evaluate --run DIR [--checkpoint STEP|PATH] [--set section.key=value ...] [--nproc N] [--out FILE]``
+``recsys export --run DIR [--checkpoint STEP|PATH] --out BUNDLE [--buffer-rows N] [--keep-optimizer-state]``
+``recsys predict --bundle BUNDLE --out FILE [--data SPEC_OR_CONFIG] [--split eval|train|all] [--rows N] ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["COMMANDS", "register", "run"]
+
+COMMANDS = ("evaluate", "export", "predict")
+EXIT_USAGE = 2
+
+
+def _overrides(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help=f"override one config value (repeatable), {what}",
+    )  # fmt: skip
+
+
+def register(sub: Any) -> None:
+    """Add the serving commands to ``sub`` (the CLI's ``add_subparsers`` object)."""
+    ev = sub.add_parser("evaluate", help="AUC and log loss of a checkpoint on the held-out split")
+    ev.add_argument("--run", required=True, type=Path, help="run directory (as given to train --out)")
+    ev.add_argument(
+        "--checkpoint", default=None, help="step number or checkpoint directory (default: newest)"
+    )
+    _overrides(ev, "e.g. --set data.path=other/files --set eval.batch_size=8192")
+    ev.add_argument(
+        "--nproc", type=int, default=None, help="local ranks (default: as many as wrote the checkpoint)"
+    )
+    ev.add_argument(
+        "--out", type=Path, default=None, help="JSON file (default: DIR/evaluate_step_NNNNNNNN.json)"
+    )
+
+    ex = sub.add_parser("export", help="write a self-contained serving bundle of a checkpoint")
+    ex.add_argument("--run", required=True, type=Path, help="run directory (as given to train --out)")
+    ex.add_argument(
+        "--checkpoint", default=None, help="step number or checkpoint directory (default: newest)"
+    )
+    ex.add_argument("--out", required=True, type=Path, help="bundle directory to create")
+    ex.add_argument(
+        "--buffer-rows", type=int, default=1 << 16, help="rows held in memory at once (default 65536)"
+    )
+    ex.add_argument(
+        "--keep-optimizer-state",
+        action="store_true",
+        help="keep each row's optimizer state (default: weights only)",
+    )
+
+    pr = sub.add_parser("predict", help="score a dataset with a bundle and write one score per row")
+    pr.add_argument("--bundle", required=True, type=Path, help="bundle directory written by recsys export")
+    pr.add_argument("--out", required=True, type=Path, help="output file: .csv, .csv.gz, .parquet or .pq")
+    pr.add_argument(
+        "--data", default=None, help="run config or dataset spec (default: the bundle's training config)"
+    )
+    pr.add_argument(
+        "--split", choices=["eval", "train", "all"], default="eval", help="rows to score (default eval)"
+    )
+    pr.add_argument("--rows", type=int, default=None, help="score at most this many rows")
+    pr.add_argument("--batch-size", type=int, default=4096, help="rows scored at once (default 4096)")
+    pr.add_argument(
+        "--cache-rows", type=int, default=1 << 16, help="cached rows per tiered table (default 65536)"
+    )
+    pr.add_argument(
+        "--no-verify", action="store_true", help="skip the bundle's checksums (sizes are still checked)"
+    )
+    _overrides(pr, "e.g. --set data.path=other/files")
+
+
+def _fail(message: str) -> int:
+    print(f"recsys: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from recsys.distributed import launched_by_torchrun
+    from recsys.metrics import write_json
+    from recsys.serving.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        args.run, checkpoint=args.checkpoint, overrides=tuple(args.overrides), nproc=args.nproc
+    )[0]
+    if launched_by_torchrun() and int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    out = args.out or args.run / f"evaluate_step_{result['step']:08d}.json"
+    record = {"run": str(args.run), **result, "overrides": list(args.overrides)}
+    write_json(out, record)
+    auc = "n/a" if result["auc"] != result["auc"] else f"{result['auc']:.6f}"
+    print(
+        f"step {result['step']}: auc {auc}, logloss {result['logloss']:.6f} ({result['world_size']} rank(s))"
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from recsys.serving.export import ExportOptions, export_bundle
+
+    options = ExportOptions(buffer_rows=args.buffer_rows, keep_optimizer_state=args.keep_optimizer_state)
+    report = export_bundle(args.run, args.out, checkpoint=args.checkpoint, options=options)
+    tables = ", ".join(f"{name} {t['rows']:,} rows ({t['kind']})" for name, t in report["tables"].items())
+    print(f"exported step {report['step']} in {report['seconds']:.1f} s: {tables}")
+    print(f"wrote {report['bundle']} ({report['bytes'] / 2**20:.1f} MiB)")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from recsys.serving.predict import predict
+
+    options = {
+        "batch_size": args.batch_size,
+        "cache_rows": args.cache_rows,
+        "rows": args.rows,
+        "overrides": list(args.overrides),
+        "verify": not args.no_verify,
+    }
+    if args.rows is not None and args.rows < 1:
+        return _fail(f"--rows must be >= 1, got {args.rows}")
+    report = predict(args.bundle, args.out, data=args.data, split=args.split, options=options)
+    rates = ", ".join(f"{f} {c['hit_rate']:.3f}" for f, c in report["cache"].items())
+    print(f"scored {report['rows']:,} rows" + (f"; cache hit rates: {rates}" if rates else ""))
+    print(f"wrote {report['out']}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed serving command; a user error is one line on stderr and exit code 2."""
+    from recsys.errors import UserError
+
+    handler = {"evaluate": _evaluate, "export": _export, "predict": _predict}[args.command]
+    try:
+        return handler(args)
+    except UserError as err:
+        return _fail(str(err))

@@ -1,0 +1,459 @@
+"""``recsys export``: a checkpoint of any number of ranks as one self-contained serving bundle.
+
+The bundle (layout in :mod:`recsys.serving.bundle`) is written into a temporary sibling folder and
+renamed into place once its manifest is written, so a bundle directory is either complete or absent.
+
+Streaming, with memory bounded by ``buffer_rows`` rows rather than by the tables:
+
+- tiered tables: every rank's store snapshot is scanned in ascending id order, ``buffer_rows / ranks``
+  rows at a time; the scans are merged (row-wise sharding spreads a table over every rank, table-wise
+  puts it on one) and appended to the bundle's LMDB in order with ``putmulti(append=True)``, one
+  transaction per buffer, so its pages are filled and the file is compact;
+- plain tables: each rank file is memory-mapped, and each table's shards are copied into
+  ``tables.safetensors`` by row offset, ``buffer_rows`` rows at a time.
+
+Optimizer state is dropped (weights only) unless ``keep_optimizer_state``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import torch
+
+from embedding_store import OptimizerKind, StoreError, TableSpec
+from embedding_store.lmdb_backend import scan_snapshot
+from recsys.checkpoint import checkpoint_meta
+from recsys.config import config_to_dict
+from recsys.errors import UserError
+from recsys.serving.bundle import DENSE, FORMAT, MANIFEST, MODEL, TABLES, TIERED, VERSION, describe_files
+from recsys.serving.runs import find_checkpoint, run_config
+
+__all__ = ["ExportOptions", "export_bundle"]
+
+_TABLE_KEY = re.compile(r"(?:^|\.)embedding_bags\.(?P<table>[^.]+)\.weight$")
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+# Where embedding_store keeps a store's metadata (embedding_store.lmdb_backend): JSON with the seed and
+# each table's dim, optimizer, id space and init scale.
+_STORE_META_DB, _STORE_META_KEY = b"__meta__", b"format"
+# LMDB page and key overhead over the packed rows, for the first map size (it doubles when full).
+_MAP_SLACK = 1.5
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class ExportOptions:
+    """How to export.
+
+    Attributes:
+        buffer_rows: rows held in memory at once while copying a table (bounds the peak memory).
+        keep_optimizer_state: also write each row's optimizer state (to continue training elsewhere).
+    """
+
+    buffer_rows: int = 1 << 16
+    keep_optimizer_state: bool = False
+
+    def __post_init__(self) -> None:
+        if self.buffer_rows < 1:
+            raise UserError(f"--buffer-rows must be >= 1, got {self.buffer_rows}")
+
+
+# -- safetensors, streamed ----------------------------------------------------------------------------
+
+Chunks = Callable[[], Iterator[np.ndarray]]
+
+
+def _write_safetensors(
+    path: Path, entries: list[tuple[str, tuple[int, ...], str, Chunks]], meta: dict[str, str]
+) -> None:
+    """Write a safetensors file whose tensors arrive in chunks (rows of each, in order).
+
+    The format: an 8-byte little-endian header length, a JSON header of every tensor's dtype, shape and
+    byte range (padded with spaces to 8 bytes), then the tensors' bytes back to back.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape, dtype, _ in entries:
+        size = math.prod(shape) * (8 if dtype in ("F64", "I64") else 4)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = meta
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, _shape, _dtype, chunks in entries:
+            start = f.tell()
+            for chunk in chunks():
+                f.write(np.ascontiguousarray(chunk).data)
+            begin, end = header[name]["data_offsets"]
+            if f.tell() - start != end - begin:
+                raise RuntimeError(f"export: {name} wrote {f.tell() - start} bytes, expected {end - begin}")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _tensor_chunks(tensor: torch.Tensor, rows: int) -> Chunks:
+    """A tensor's bytes, ``rows`` rows at a time."""
+
+    def chunks() -> Iterator[np.ndarray]:
+        if tensor.dim() == 0 or tensor.shape[0] == 0:
+            yield tensor.detach().contiguous().numpy()
+            return
+        for start in range(0, tensor.shape[0], rows):
+            yield tensor[start : start + rows].detach().contiguous().numpy()
+
+    return chunks
+
+
+# -- the checkpoint's pieces --------------------------------------------------------------------------
+
+
+def _load_rank(checkpoint: Path, rank: int) -> dict[str, Any]:
+    # Memory-mapped: shards are read page by page as they are copied, never all at once.
+    return torch.load(checkpoint / f"rank_{rank}.pt", weights_only=True, mmap=True)
+
+
+def _snapshot_tables(snapshot: Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """The seed and per-table layout recorded in a store snapshot (read-only, no lock file)."""
+    try:
+        env = lmdb.open(str(snapshot), readonly=True, lock=False, subdir=True, max_dbs=64)
+        try:
+            with env.begin() as txn:
+                raw = txn.get(_STORE_META_KEY, db=env.open_db(_STORE_META_DB, txn=txn, create=False))
+        finally:
+            env.close()
+        meta = json.loads(bytes(raw)) if raw is not None else None
+        return int(meta["seed"]), dict(meta["tables"])
+    except (lmdb.Error, ValueError, TypeError, KeyError) as err:
+        raise UserError(f"store snapshot {snapshot} is unreadable ({type(err).__name__}: {err})") from None
+
+
+def _table_blocks(payload: dict[str, Any], key: str, part: str) -> list[tuple[int, torch.Tensor]]:
+    """``(row offset, block)`` of every local shard of one tensor of a rank file (``part``: model or a
+    fused-optimizer state path)."""
+    if part == "model":
+        shards, where = payload["model"][key], f"model.{key}"
+    else:
+        shards, where = payload["fused_optimizer"][key][part], f"fused_optimizer.{key}.{part}"
+    offsets = payload["shard_offsets"].get(where, [])
+    return [(int(off[0]), t) for t, off in zip(shards, offsets, strict=True)]
+
+
+def _assembled(
+    checkpoint: Path, world: int, key: str, part: str, rows: int
+) -> tuple[tuple[int, ...], Chunks]:
+    """Shape and chunked rows of a table (or its state) assembled from every rank's blocks by offset."""
+    blocks = []
+    for rank in range(world):
+        payload = _load_rank(checkpoint, rank)
+        if part == "model" or key in payload["fused_optimizer"]:
+            blocks += [(off, rank, tuple(t.shape)) for off, t in _table_blocks(payload, key, part)]
+        del payload
+    blocks.sort()
+    total = 0
+    for off, _rank, shape in blocks:
+        if off != total:
+            raise UserError(
+                f"checkpoint {checkpoint}: the shards of {key} do not tile it (rows {total}..{off} missing)"
+            )
+        total += shape[0]
+    if not blocks:
+        raise UserError(f"checkpoint {checkpoint}: no rank holds {key} ({part})")
+    shape = (total, *blocks[0][2][1:])
+
+    def chunks() -> Iterator[np.ndarray]:
+        for off, rank, _ in blocks:
+            payload = _load_rank(checkpoint, rank)  # the mapping ends with this block: RSS stays bounded
+            block = dict(_table_blocks(payload, key, part))[off]
+            yield from _tensor_chunks(block, rows)()
+            del payload, block
+
+    return shape, chunks
+
+
+def _state_name(payload: dict[str, Any], key: str, table: str) -> str | None:
+    for name in payload["fused_optimizer"].get(key, {}):
+        if name.startswith(f"{table}.momentum"):
+            return name
+    return None
+
+
+# -- tiered tables: merge the ranks' snapshots into one LMDB ------------------------------------------
+
+
+def _merged(
+    streams: list[Iterator[tuple[np.ndarray, np.ndarray]]], table: str
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Merge ascending ``(ids, rows)`` chunk streams with disjoint ids into ascending chunks.
+
+    Each round emits every id up to the smallest last id of the streams' current chunks: all ids up to
+    it are in those chunks, as every stream ascends.
+    """
+    heads: list[tuple[np.ndarray, np.ndarray] | None] = [next(s, None) for s in streams]
+    while True:
+        live = [i for i, h in enumerate(heads) if h is not None]
+        if not live:
+            return
+        bound = min(int(heads[i][0][-1]) for i in live)  # type: ignore[index]
+        ids_parts, rows_parts = [], []
+        for i in live:
+            ids, rows = heads[i]  # type: ignore[misc]
+            cut = int(np.searchsorted(ids, bound, side="right"))
+            ids_parts.append(ids[:cut])
+            rows_parts.append(rows[:cut])
+            heads[i] = (ids[cut:], rows[cut:]) if cut < ids.shape[0] else next(streams[i], None)
+        ids = np.concatenate(ids_parts)
+        rows = np.concatenate(rows_parts)
+        if len(ids_parts) > 1:
+            order = np.argsort(ids, kind="stable")
+            ids, rows = ids[order], rows[order]
+        if ids.shape[0] > 1 and not (np.diff(ids) > 0).all():
+            raise UserError(
+                f"export: table {table} has an id in two ranks' store snapshots; the checkpoint is inconsistent"
+            )
+        yield ids, rows
+
+
+class _TieredWriter:
+    """The bundle's LMDB: one named DB per table, rows appended in ascending id order."""
+
+    def __init__(self, path: Path, *, tables: int, map_bytes: int) -> None:
+        path.mkdir(parents=True)
+        # lock=False: one writer, and the result is read-only (no lock.mdb in the bundle).
+        self._env = lmdb.open(
+            str(path), map_size=max(map_bytes, 1 << 20), subdir=True, max_dbs=tables + 1,
+            lock=False, sync=False, metasync=False, readahead=False,
+        )  # fmt: skip
+        self._dbs: dict[str, Any] = {}
+
+    def append(self, table: str, ids: np.ndarray, values: np.ndarray) -> None:
+        keys = np.ascontiguousarray(ids, dtype=">u8").view("V8").tolist()
+        vals = np.ascontiguousarray(values, dtype="<f4")
+        items = list(zip(keys, vals.view(f"V{vals.shape[1] * 4}").reshape(-1).tolist(), strict=True))
+        if table not in self._dbs:
+            self._dbs[table] = self._env.open_db(table.encode(), create=True)
+        while True:
+            try:
+                with self._env.begin(write=True, db=self._dbs[table]) as txn:
+                    _, added = txn.cursor().putmulti(items, append=True)
+                if added != len(items):
+                    raise UserError(
+                        f"export: table {table}: {len(items) - added} rows were not appended in id order"
+                    )
+                return
+            except lmdb.MapFullError:  # the transaction was aborted: grow the map and write it again
+                self._env.set_mapsize(2 * self._env.info()["map_size"])
+
+    def close(self) -> None:
+        self._env.sync(True)
+        self._env.close()
+
+
+# -- the export ---------------------------------------------------------------------------------------
+
+
+def _arch(config: Any) -> dict[str, Any]:
+    return config_to_dict(config.model)
+
+
+def export_bundle(
+    run: Path, out: Path, *, checkpoint: str | None = None, options: ExportOptions = ExportOptions()
+) -> dict[str, Any]:
+    """Write the serving bundle of a checkpoint of ``run`` (default: the newest) to ``out``.
+
+    Returns a report: the checkpoint, per table its kind and rows, the bundle's bytes and the seconds.
+
+    Raises:
+        UserError: ``out`` exists, no such checkpoint, a damaged one, or one that does not fit its config.
+    """
+    started = time.perf_counter()
+    if os.path.lexists(out):
+        raise UserError(f"--out {out} exists; remove it or choose another bundle directory")
+    path = find_checkpoint(run, checkpoint)
+    config, source = run_config(run, path, [])
+    meta = checkpoint_meta(path)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        report = _write(path, tmp, config=config, world=int(meta["world_size"]), options=options)
+        model = {
+            **report.pop("model"),
+            "source": {
+                "run": str(run.resolve()),
+                "checkpoint": path.name,
+                "step": int(meta["step"]),
+                "world_size": int(meta["world_size"]),
+                "config_from": str(source),
+                "model_digest": _digest_of(run, int(meta["step"])),
+            },
+            "config": config_to_dict(config),
+        }
+        (tmp / MODEL).write_text(json.dumps(model, indent=1) + "\n", encoding="utf-8")
+        files = [MODEL, DENSE, TABLES] + ([TIERED] if (tmp / TIERED).exists() else [])
+        manifest = {"format": FORMAT, "version": VERSION, "files": describe_files(tmp, files)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        for name in [*files, MANIFEST]:
+            os.chmod(tmp / name, 0o444)  # a bundle is read-only; the scorer opens its LMDB read-only
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.update(
+        bundle=str(out),
+        checkpoint=str(path),
+        step=int(meta["step"]),
+        bytes=sum((out / n).stat().st_size for n in files),
+        seconds=time.perf_counter() - started,
+    )
+    return report
+
+
+def _digest_of(run: Path, step: int) -> str | None:
+    """``summary.json``'s model digest when it describes this step (the final checkpoint), else None."""
+    with contextlib.suppress(OSError, ValueError):
+        summary = json.loads((run / "summary.json").read_text())
+        if summary.get("steps") == step:
+            return summary.get("model_digest")
+    return None
+
+
+def _write(checkpoint: Path, out: Path, *, config: Any, world: int, options: ExportOptions) -> dict[str, Any]:
+    """Write dense.safetensors, tables.safetensors and tiered/data.mdb; returns the model description."""
+    first = _load_rank(checkpoint, 0)
+    table_keys = {m["table"]: key for key in first["model"] if (m := _TABLE_KEY.search(key))}
+    dense = {k: v for k, v in first["model"].items() if not _TABLE_KEY.search(k)}
+    bad = sorted(
+        k for k, v in dense.items() if not isinstance(v, torch.Tensor) or v.dtype not in _SAFETENSORS_DTYPES
+    )
+    if bad:
+        raise UserError(
+            f"checkpoint {checkpoint}: dense state {bad[0]} is not a plain float or integer tensor"
+        )
+    entries = [
+        (k, tuple(v.shape), _SAFETENSORS_DTYPES[v.dtype], _tensor_chunks(v, options.buffer_rows))
+        for k, v in dense.items()
+    ]
+    _write_safetensors(out / DENSE, entries, {"format": FORMAT})
+    first_layer = dense.get(
+        "model.dense_arch.weight", dense.get("model.dense_arch.model._mlp.0._linear.weight")
+    )
+    if first_layer is None:
+        raise UserError(f"checkpoint {checkpoint}: no dense_arch weights; is it a model of recsys.models?")
+    num_dense = int(first_layer.shape[1])
+    state_names = {t: _state_name(first, k, t) for t, k in table_keys.items()}
+    del first, dense
+
+    snapshots = sorted(checkpoint.glob("store_rank_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    layouts: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+    for snap in snapshots:
+        seed, tables = _snapshot_tables(snap)
+        if seed != config.train.seed:
+            raise UserError(
+                f"store snapshot {snap} was written with seed {seed}, the config says train.seed={config.train.seed}"
+            )
+        for name, layout in tables.items():
+            layouts.setdefault(name, []).append((snap, layout))
+
+    features, plain_entries = [], []
+    for table, key in table_keys.items():
+        if table in layouts:
+            continue
+        shape, chunks = _assembled(checkpoint, world, key, "model", options.buffer_rows)
+        plain_entries.append((f"{table}.weight", shape, "F32", chunks))
+        features.append(
+            {
+                "name": table.removeprefix("t_"),
+                "table": table,
+                "kind": "plain",
+                "dim": shape[1],
+                "rows": shape[0],
+            }
+        )
+        if options.keep_optimizer_state and state_names[table] is not None:
+            state_shape, state_chunks = _assembled(
+                checkpoint, world, key, state_names[table], options.buffer_rows
+            )  # type: ignore[arg-type]
+            plain_entries.append((f"{table}.state", state_shape, "F32", state_chunks))
+    _write_safetensors(out / TABLES, plain_entries, {"format": FORMAT})
+
+    tiered = [t for t in table_keys if t in layouts]
+    row_floats = None
+    if tiered:
+        map_bytes = int(_MAP_SLACK * sum((s / "data.mdb").stat().st_size for s in snapshots))
+        writer = _TieredWriter(out / Path(TIERED).parent, tables=len(tiered), map_bytes=map_bytes)
+        try:
+            for table in tiered:
+                rows, floats, spec_layout = _copy_tiered(writer, table, layouts[table], config, options)
+                row_floats = floats if row_floats is None else row_floats
+                if floats != row_floats:
+                    raise UserError(f"export: tiered tables have rows of {row_floats} and {floats} floats")
+                features.append(
+                    {"name": table.removeprefix("t_"), "table": table, "kind": "tiered", "dim": spec_layout["dim"],
+                     "rows": rows, "id_space": spec_layout["num_embeddings"]}
+                )  # fmt: skip
+        finally:
+            writer.close()
+    order = {t: i for i, t in enumerate(table_keys)}
+    features.sort(key=lambda f: order[f["table"]])  # the model's feature order (its interaction order)
+    optimizer = OptimizerKind(config.sparse.optimizer.value)
+    dim = features[0]["dim"]
+    kept = optimizer.state_floats(dim) if options.keep_optimizer_state else 0
+    model = {
+        "model": _arch(config),
+        "num_dense": num_dense,
+        "features": features,
+        "init": {"seed": config.train.seed, "scale": config.sparse.init_scale},
+        "row_floats": row_floats if row_floats is not None else dim + kept,
+        "optimizer": {
+            "name": optimizer.value,
+            "state_floats": optimizer.state_floats(dim),
+            "kept": options.keep_optimizer_state,
+        },
+    }
+    return {"model": model, "tables": {f["table"]: {"kind": f["kind"], "rows": f["rows"]} for f in features}}
+
+
+def _copy_tiered(
+    writer: _TieredWriter,
+    table: str,
+    sources: list[tuple[Path, dict[str, Any]]],
+    config: Any,
+    options: ExportOptions,
+) -> tuple[int, int, dict[str, Any]]:
+    """Stream one tiered table from its snapshots into the bundle; returns (rows, floats per row, layout)."""
+    layout = sources[0][1]
+    if any(other != layout for _, other in sources):
+        raise UserError(f"export: the store snapshots disagree on the layout of table {table}")
+    spec = TableSpec(
+        name=table,
+        dim=int(layout["dim"]),
+        optimizer=OptimizerKind(layout["optimizer"]),
+        num_embeddings=layout["num_embeddings"],
+        init_scale=float(layout["init_scale"]),
+    )
+    keep = spec.row_floats if options.keep_optimizer_state else spec.dim
+    chunk = max(1, options.buffer_rows // len(sources))
+    try:
+        streams = [scan_snapshot(snap, spec, seed=config.train.seed, chunk_rows=chunk) for snap, _ in sources]
+        rows = 0
+        for ids, values in _merged(streams, table):
+            writer.append(table, ids, values[:, :keep])
+            rows += ids.shape[0]
+    except StoreError as err:
+        raise UserError(f"export: table {table}: {err}") from None
+    return rows, keep, layout

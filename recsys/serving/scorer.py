@@ -1,0 +1,225 @@
+"""Score raw features with an exported model: :func:`load_bundle` and :class:`Scorer`.
+
+Needs torch, numpy, lmdb and safetensors only (no TorchRec, FBGEMM or torch.distributed), and runs on
+the CPU or a CUDA device. Plain tables are held in memory on the device; tiered tables are read through
+a host-DRAM LRU cache (:class:`recsys.serving.cache.RowCache`) over the bundle's LMDB, so tables larger
+than RAM are served. Sum pooling, then the dense model of :mod:`recsys.serving.model`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from embedding_store.init import init_rows
+from recsys.serving.bundle import DENSE, TABLES, TIERED, Bundle, BundleError, FeatureSpec, read_bundle
+from recsys.serving.cache import CacheStats, LmdbRows, RowCache
+from recsys.serving.model import build_dense_model
+
+__all__ = ["Scorer", "load_bundle", "UNSEEN"]
+
+# What a tiered id never stored in training gets: its deterministic initial row, as training would
+# create it, or zeros.
+UNSEEN = ("init", "zeros")
+
+SparseInput = Any  # Mapping[str, ids (B,) | (values (N,), lengths (B,))], or a KeyedJaggedTensor
+
+
+def _as_ids(value: Any, where: str) -> np.ndarray:
+    arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"{where} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{where} must be integers, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _jagged(sparse: SparseInput, names: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per feature ``(values (N,), lengths (B,))`` from any accepted form of the sparse input."""
+    if hasattr(sparse, "length_per_key") and hasattr(sparse, "keys"):  # a KeyedJaggedTensor
+        keys = list(sparse.keys())
+        values = torch.split(sparse.values(), sparse.length_per_key())
+        lengths = sparse.lengths().reshape(len(keys), -1)
+        sparse = {k: (v, lengths[i]) for i, (k, v) in enumerate(zip(keys, values, strict=True))}
+    if not isinstance(sparse, Mapping):
+        raise ValueError(
+            f"sparse features must be a mapping of feature name to ids, got {type(sparse).__name__}"
+        )
+    missing = [n for n in names if n not in sparse]
+    unknown = sorted(str(k) for k in sparse if k not in names)
+    if missing or unknown:
+        raise ValueError(
+            f"sparse features: missing {missing}, unknown {unknown}; the model's features are {names}"
+        )
+    out = {}
+    for name in names:
+        value = sparse[name]
+        if isinstance(value, tuple | list) and len(value) == 2 and not np.isscalar(value[0]):
+            ids, lengths = (
+                _as_ids(value[0], f"feature {name!r} values"),
+                _as_ids(value[1], f"feature {name!r} lengths"),
+            )
+            if (lengths.size and lengths.min() < 0) or int(lengths.sum()) != ids.shape[0]:
+                raise ValueError(
+                    f"feature {name!r}: lengths sum to {int(lengths.sum())}, not its {ids.shape[0]} values"
+                )
+        else:
+            ids = _as_ids(value, f"feature {name!r}")
+            lengths = np.ones(ids.shape[0], dtype=np.int64)
+        if ids.size and ids.min() < 0:
+            raise ValueError(f"feature {name!r}: id {int(ids.min())} is negative")
+        out[name] = (ids, lengths)
+    return out
+
+
+class Scorer:
+    """Click probabilities of raw feature batches under an exported model (thread-safe).
+
+    Build it with :func:`load_bundle`. ``scorer(dense, sparse)`` returns ``(B,)`` float32 probabilities,
+    :meth:`logits` the logits; both on the CPU.
+
+    ``dense``: ``(B, num_dense)`` numbers. ``sparse``: for every feature of :attr:`features`, either
+    ``(B,)`` ids (one per sample), or ``(values (N,), lengths (B,))`` (``lengths[i]`` ids of sample i,
+    sum-pooled; 0 gives a zero vector), or a KeyedJaggedTensor with those keys. Ids are the raw ids the
+    training data had: plain tables fold them modulo their rows as training did.
+    """
+
+    def __init__(
+        self, bundle: Bundle, *, cache_rows: int | Mapping[str, int], device: torch.device, unseen: str
+    ) -> None:
+        if unseen not in UNSEEN:
+            raise ValueError(f"unseen must be one of {UNSEEN}, got {unseen!r}")
+        self.bundle = bundle
+        self.device = device
+        self.features = [f.name for f in bundle.features]
+        self._specs = {f.name: f for f in bundle.features}
+        self.num_dense = bundle.num_dense
+        self._seed, self._scale = bundle.init
+        self._unseen = unseen
+        dense = load_file(bundle.file(DENSE))
+        try:
+            model = build_dense_model(
+                bundle.arch, dense, num_dense=self.num_dense, num_sparse=len(self.features)
+            )
+        except ValueError as err:
+            raise BundleError(f"bundle {bundle.path}: {err}") from None
+        self._model = model.to(device)
+        tables = load_file(bundle.file(TABLES))
+        self._plain: dict[str, torch.Tensor] = {}
+        for f in bundle.features:
+            if f.kind == "plain":
+                weight = tables.get(f"{f.table}.weight")
+                if weight is None or tuple(weight.shape) != (f.rows, f.dim):
+                    shape = None if weight is None else tuple(weight.shape)
+                    raise BundleError(
+                        f"bundle {bundle.path}: table {f.table} is {shape} in {TABLES}, model.json says {(f.rows, f.dim)}"
+                    )
+                self._plain[f.name] = weight.to(device)
+        tiered = [f for f in bundle.features if f.kind == "tiered"]
+        self._rows: LmdbRows | None = None
+        self._caches: dict[str, RowCache] = {}
+        if tiered:
+            self._rows = LmdbRows(
+                bundle.file(TIERED).parent, tables=[f.table for f in tiered], row_floats=bundle.row_floats
+            )
+            for f in tiered:
+                rows = cache_rows.get(f.name, 0) if isinstance(cache_rows, Mapping) else cache_rows
+                self._caches[f.name] = RowCache(self._rows, f, capacity=int(rows), fill=self._filler(f))
+
+    def _filler(self, f: FeatureSpec) -> Any:
+        if self._unseen == "zeros":
+            return lambda ids: np.zeros((ids.shape[0], f.dim), dtype=np.float32)
+        return lambda ids: init_rows(
+            ids, dim=f.dim, seed=self._seed, table=f.table, scale=self._scale
+        ).numpy()
+
+    # -- scoring ----------------------------------------------------------------------------------
+
+    def _pool(self, f: FeatureSpec, ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+        """Sum-pooled (B, dim) embeddings of one feature."""
+        offsets = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)).to(
+            self.device
+        )
+        if f.kind == "plain":
+            index = torch.from_numpy(ids % f.rows if f.rows else ids).to(self.device)
+            weight = self._plain[f.name]
+        else:
+            if f.id_space is not None and ids.size and ids.max() >= f.id_space:
+                raise ValueError(
+                    f"feature {f.name!r}: id {int(ids.max())} is outside its id space [0, {f.id_space})"
+                )
+            unique, inverse = np.unique(ids, return_inverse=True)
+            weight = self._caches[f.name].lookup(unique).to(self.device)
+            index = torch.from_numpy(inverse.reshape(-1).astype(np.int64)).to(self.device)
+        return torch.nn.functional.embedding_bag(index, weight, offsets, mode="sum")
+
+    @torch.no_grad()
+    def logits(self, dense: Any, sparse: SparseInput) -> torch.Tensor:
+        """``(B,)`` float32 logits on the CPU."""
+        x = torch.as_tensor(
+            np.asarray(dense, dtype=np.float32) if not isinstance(dense, torch.Tensor) else dense
+        )
+        x = x.to(device=self.device, dtype=torch.float32)
+        if x.ndim != 2 or x.shape[1] != self.num_dense:
+            raise ValueError(f"dense features must be (batch, {self.num_dense}), got shape {tuple(x.shape)}")
+        jagged = _jagged(sparse, self.features)
+        if x.shape[0] == 0:
+            return torch.empty(0, dtype=torch.float32)
+        for name, (_, lengths) in jagged.items():
+            if lengths.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"feature {name!r} has {lengths.shape[0]} samples, the dense features {x.shape[0]}"
+                )
+        pooled = torch.stack([self._pool(self._specs[n], *jagged[n]) for n in self.features], dim=1)
+        return self._model(x, pooled).float().cpu()
+
+    def __call__(self, dense: Any, sparse: SparseInput) -> torch.Tensor:
+        """``(B,)`` float32 click probabilities on the CPU."""
+        return torch.sigmoid(self.logits(dense, sparse))
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """Per tiered feature, its cache's counters (hit rate, rows read from LMDB, unseen ids)."""
+        return {name: cache.stats() for name, cache in self._caches.items()}
+
+    def close(self) -> None:
+        if self._rows is not None:
+            self._rows.close()
+            self._rows = None
+
+
+def load_bundle(
+    path: str | os.PathLike[str],
+    *,
+    cache_rows: int | Mapping[str, int] = 1 << 16,
+    device: str | torch.device = "cpu",
+    unseen: str = "init",
+    verify: bool = True,
+) -> Scorer:
+    """Open a bundle written by ``recsys export`` and return its :class:`Scorer`.
+
+    Args:
+        path: the bundle directory.
+        cache_rows: host-DRAM rows cached per tiered table (or per feature, a mapping; 0: none).
+        device: where the dense model and the plain tables compute (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+        unseen: rows of tiered ids never stored in training: ``"init"`` (their deterministic initial
+            value, exactly as training would create them) or ``"zeros"``.
+        verify: check every file's checksum (off: presence and sizes only; a checksum reads every byte).
+
+    Raises:
+        BundleError: an incomplete or altered bundle, or one of another format version (one line).
+
+    Example:
+        >>> scorer = load_bundle("runs/quickstart/bundle", cache_rows=100_000)
+        >>> probs = scorer(np.zeros((2, scorer.num_dense)), {f: np.array([3, 7]) for f in scorer.features})
+        >>> probs.shape
+        torch.Size([2])
+        >>> scorer.cache_stats()["cat_0"].hit_rate
+        0.0
+    """
+    bundle = read_bundle(path, verify=verify)
+    return Scorer(bundle, cache_rows=cache_rows, device=torch.device(device), unseen=unseen)
