@@ -4,7 +4,7 @@ Tiers are exclusive: a row moving up is *taken* from the host arena, and a row e
 goes down to the host arena (always dirty: the trainer may have updated it in place), whose dirty
 victims go to the background writer, whose commits reach LMDB. Reads look top-down — device, host,
 writer (pending), LMDB — and fall back to the lazy initialisation, so the first tier that holds a row
-holds its latest value (DESIGN invariant 1). Calls are serialised by the store's lock.
+holds its latest value (docs/design.md, invariant 1). Calls are serialised by the store's lock.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The nested training pipeline (DESIGN §6): inter-batch stages on workers, bounded queues, traces.
+"""The nested training pipeline (docs/design.md): inter-batch stages on workers, bounded queues, traces.
 
 Public API:
     StagedPipeline, StageSpec, PipelineConfig, PipelineMode, Stage, StageFailed: the inter-batch pipeline.

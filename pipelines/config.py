@@ -20,7 +20,7 @@ class PipelineMode(enum.Enum):
 
 
 class Stage(enum.StrEnum):
-    """Names of the stages of the training pipeline (DESIGN §6), in order.
+    """Names of the stages of the training pipeline (docs/design.md, the nested pipeline), in order.
 
     The pipeline core accepts any stage name; these are the ones the TorchRec binding uses, so metrics,
     traces and warnings speak one vocabulary.

@@ -1,4 +1,4 @@
-"""Tiered training is bitwise identical to untiered training (DESIGN invariant 4).
+"""Tiered training is bitwise identical to untiered training (docs/design.md, invariant 4).
 
 A fused FBGEMM TBE (what TorchRec's FUSED EmbeddingBagCollection runs on CPU) trains 50 steps
 through the store — slot table <= 5% of the touched rows, host arena <= 20%, the rest in LMDB, batches

@@ -1,4 +1,4 @@
-"""Durability (DESIGN invariant 5): SIGKILL after flush, the lock file, a full LMDB map, and snapshots
+"""Durability (docs/design.md, invariant 5): SIGKILL after flush, the lock file, a full LMDB map, snapshots
 written under a temporary name."""
 
 from __future__ import annotations

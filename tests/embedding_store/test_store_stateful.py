@@ -1,4 +1,4 @@
-"""Hypothesis drives the store against a dict reference (DESIGN §9: the store's oracle).
+"""Hypothesis drives the store against a dict reference (docs/design.md, invariants 1, 2 and 6).
 
 Random sequences of lookahead / prefetch / make_resident / in-place updates of the bound slot tensors /
 release / flush / close+reopen, on tiny capacities that force constant eviction through every tier.

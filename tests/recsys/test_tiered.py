@@ -1,4 +1,4 @@
-"""Tiered training is bitwise identical to untiered training (DESIGN.md invariant 4), end to end.
+"""Tiered training is bitwise identical to untiered training (docs/design.md, invariant 4), end to end.
 
 The device tier holds at most 10% and the host tier at most 30% of the rows the run touches, so rows
 really move between all three tiers (LMDB is read and written); the model digests must still be equal.
