@@ -326,7 +326,7 @@ def tune(
         alternatives = [(equal_device, equal_host), (equal_device, host_split(equal_device))]
         if device_rows != equal_device:
             alternatives.append((device_rows, host_rows))
-        ranked = []
+        ranked: list[tuple[Any, ...]] = []
         for dev, host in alternatives:
             per, tot = predict(dev, host)
             ranked.append(
