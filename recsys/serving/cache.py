@@ -9,8 +9,10 @@ the hot rows in memory. Rows never stored get ``fill(ids)`` (the deterministic i
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import torch
 from embedding_store.index import DenseIdMap, HashIdMap
 from recsys.serving.bundle import FeatureSpec
 
-__all__ = ["CacheStats", "LmdbRows", "RowCache"]
+__all__ = ["CacheStats", "LmdbRows", "RowCache", "open_rows"]
 
 # Bounded id spaces up to this size get a dense id -> position array (4 bytes per possible id).
 _DENSE_MAP_MAX_IDS = 1 << 22
@@ -70,12 +72,43 @@ class LmdbRows:
         rows = np.frombuffer(values, dtype=np.float32).reshape(len(pairs), self.row_floats)
         return found, np.ascontiguousarray(rows[:, :dim])
 
-    def count(self, table: str) -> int:
+    def scan(self, table: str, *, chunk_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every stored row of ``table`` in ascending id order: ``((n,) ids, (n, row_floats) rows)`` chunks."""
         with self._env.begin(db=self._dbs[table]) as txn:
-            return int(txn.stat(self._dbs[table])["entries"])
+            cursor = txn.cursor()
+            more = cursor.first()
+            while more:
+                keys, values = [], []
+                while more and len(keys) < chunk_rows:
+                    keys.append(cursor.key())
+                    values.append(cursor.value())
+                    more = cursor.next()
+                ids = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.int64)
+                yield (
+                    ids,
+                    np.frombuffer(b"".join(values), dtype=np.float32).reshape(len(keys), self.row_floats),
+                )
 
     def close(self) -> None:
+        """Close the environment (for a reader opened directly, not through :func:`open_rows`)."""
         self._env.close()
+
+
+# LMDB allows one open handle per environment file and process (its locks belong to the process and
+# file), so scorers of one bundle share its reader; it closes when the last of them is gone.
+_READERS: weakref.WeakValueDictionary[tuple[int, int], LmdbRows] = weakref.WeakValueDictionary()
+_READERS_LOCK = threading.Lock()
+
+
+def open_rows(path: Path, *, tables: list[str], row_floats: int) -> LmdbRows:
+    """This process's reader of the LMDB in folder ``path`` (shared by everyone who opens that file)."""
+    st = os.stat(path / "data.mdb")
+    with _READERS_LOCK:
+        rows = _READERS.get((st.st_dev, st.st_ino))
+        if rows is None:
+            rows = LmdbRows(path, tables=tables, row_floats=row_floats)
+            _READERS[(st.st_dev, st.st_ino)] = rows
+        return rows
 
 
 @dataclass(frozen=True, slots=True)

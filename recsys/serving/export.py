@@ -355,8 +355,13 @@ def _write(checkpoint: Path, out: Path, *, config: Any, world: int, options: Exp
     if first_layer is None:
         raise UserError(f"checkpoint {checkpoint}: no dense_arch weights; is it a model of recsys.models?")
     num_dense = int(first_layer.shape[1])
-    state_names = {t: _state_name(first, k, t) for t, k in table_keys.items()}
     del first, dense
+    state_names: dict[str, str | None] = dict.fromkeys(table_keys)
+    for rank in range(world):  # table-wise, only the rank holding a table has its optimizer state
+        payload = _load_rank(checkpoint, rank)
+        for t, k in table_keys.items():
+            state_names[t] = state_names[t] or _state_name(payload, k, t)
+        del payload
 
     snapshots = sorted(checkpoint.glob("store_rank_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
     layouts: dict[str, list[tuple[Path, dict[str, Any]]]] = {}

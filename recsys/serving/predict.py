@@ -245,13 +245,11 @@ def predict(
                 if limit is not None and done >= limit:
                     break
         keep = True
+        stats = scorer.cache_stats()
     finally:
         writer.close(keep=keep)
         scorer.close()
-    cache = {
-        f: {"hit_rate": s.hit_rate, "hits": s.hits, "misses": s.misses}
-        for f, s in scorer.cache_stats().items()
-    }
+    cache = {f: {"hit_rate": s.hit_rate, "hits": s.hits, "misses": s.misses} for f, s in stats.items()}
     return {"rows": done, "out": str(out), "cache": cache}
 
 

@@ -44,11 +44,9 @@ def find_checkpoint(run: Path, which: str | None) -> Path:
     elif which.isdigit():
         path = root / f"step_{int(which):08d}"
         if not (path / "meta.json").is_file():
-            steps = sorted(
-                p.name.removeprefix("step_").lstrip("0") or "0" for p in root.glob("step_*/meta.json")
-            )
+            steps = sorted(int(p.parent.name.removeprefix("step_")) for p in root.glob("step_*/meta.json"))
             raise UserError(
-                f"--checkpoint {which}: no complete checkpoint {path} (complete: {', '.join(steps) or 'none'})"
+                f"--checkpoint {which}: no complete checkpoint {path} (complete: {', '.join(map(str, steps)) or 'none'})"
             )
     else:
         path = Path(which)

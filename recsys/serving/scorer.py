@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from embedding_store.init import init_rows
 from recsys.serving.bundle import DENSE, TABLES, TIERED, Bundle, BundleError, FeatureSpec, read_bundle
-from recsys.serving.cache import CacheStats, LmdbRows, RowCache
+from recsys.serving.cache import CacheStats, LmdbRows, RowCache, open_rows
 from recsys.serving.model import build_dense_model
 
 __all__ = ["Scorer", "load_bundle", "UNSEEN"]
@@ -124,7 +124,7 @@ class Scorer:
         self._rows: LmdbRows | None = None
         self._caches: dict[str, RowCache] = {}
         if tiered:
-            self._rows = LmdbRows(
+            self._rows = open_rows(
                 bundle.file(TIERED).parent, tables=[f.table for f in tiered], row_floats=bundle.row_floats
             )
             for f in tiered:
@@ -187,9 +187,10 @@ class Scorer:
         return {name: cache.stats() for name, cache in self._caches.items()}
 
     def close(self) -> None:
-        if self._rows is not None:
-            self._rows.close()
-            self._rows = None
+        """Drop this scorer's tables and caches (the bundle's LMDB closes with its last scorer)."""
+        self._caches.clear()
+        self._plain.clear()
+        self._rows = None
 
 
 def load_bundle(

@@ -1,0 +1,106 @@
+"""``recsys export`` writes every row of the checkpoint, merged from all ranks, into one bundle.
+
+The oracle is the training run's model digest: a bundle exported with the optimizer state holds the
+whole trained state, so the digest computed from the bundle alone must equal ``summary.json``'s.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from recsys.errors import UserError
+from recsys.serving.export import ExportOptions, export_bundle
+from tests.recsys.serving.conftest import STEPS, bundle_digest, cli, summary, tiered_rows
+
+
+@pytest.mark.parametrize("name", ["table_wise_2", "row_wise_2", "dcn_1"])
+def test_a_bundle_with_optimizer_state_has_the_runs_digest(name, trained, exported):
+    bundle = exported(name, keep_optimizer_state=True, buffer_rows=300)
+    assert bundle_digest(bundle) == summary(trained(name))["model_digest"]
+
+
+@pytest.mark.parametrize("name", ["table_wise_2", "row_wise_2"])
+def test_weights_only_bundles_hold_the_same_weights(name, exported):
+    full, lean = exported(name, keep_optimizer_state=True, buffer_rows=300), exported(name)
+    model = json.loads((lean / "model.json").read_text())
+    assert model["row_floats"] == 8 and not model["optimizer"]["kept"]
+    assert json.loads((full / "model.json").read_text())["row_floats"] == 9  # + row-wise Adagrad's one float
+    for f in model["features"]:
+        if f["kind"] == "tiered":
+            ids, weights, state = tiered_rows(lean, f["table"], 8, 8)
+            full_ids, full_weights, _ = tiered_rows(full, f["table"], 8, 9)
+            assert state is None and torch.equal(ids, full_ids) and torch.equal(weights, full_weights)
+            assert bool((ids[1:] > ids[:-1]).all()) and ids.shape[0] == f["rows"]  # ascending, as counted
+        else:
+            lean_tables, full_tables = (
+                load_file(lean / "tables.safetensors"),
+                load_file(full / "tables.safetensors"),
+            )
+            assert f"{f['table']}.state" not in lean_tables and f"{f['table']}.state" in full_tables
+            assert torch.equal(lean_tables[f"{f['table']}.weight"], full_tables[f"{f['table']}.weight"])
+    assert {f["kind"] for f in model["features"]} == {"plain", "tiered"}
+
+
+def test_the_buffer_size_does_not_change_the_bundle(trained, tmp_path):
+    run = trained("row_wise_2")
+    small = export_bundle(run, tmp_path / "small", options=ExportOptions(buffer_rows=7))
+    large = export_bundle(run, tmp_path / "large", options=ExportOptions(buffer_rows=1 << 20))
+    assert small["tables"] == large["tables"]
+    for name in ("dense.safetensors", "tables.safetensors"):
+        assert (tmp_path / "small" / name).read_bytes() == (tmp_path / "large" / name).read_bytes()
+    model = json.loads((tmp_path / "small" / "model.json").read_text())
+    for f in model["features"]:
+        if f["kind"] == "tiered":
+            a = tiered_rows(tmp_path / "small", f["table"], 8, 8)
+            b = tiered_rows(tmp_path / "large", f["table"], 8, 8)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_the_tiered_lmdb_is_compact(exported):
+    """Appended in id order, the rows fill LMDB's pages: the file is close to its keys and values."""
+    bundle = exported("table_wise_2")
+    model = json.loads((bundle / "model.json").read_text())
+    rows = sum(f["rows"] for f in model["features"] if f["kind"] == "tiered")
+    payload = rows * (8 + 4 * model["row_floats"] + 8 + 2)  # key, value, node header, page pointer
+    size = (bundle / "tiered" / "data.mdb").stat().st_size
+    assert size < 1.25 * payload + 16 * 4096, (size, payload)
+
+
+def test_export_cli(trained, tmp_path):
+    run = trained("table_wise_2")
+    args = [
+        "export",
+        "--run",
+        str(run),
+        "--checkpoint",
+        "10",
+        "--out",
+        str(tmp_path / "b"),
+    ]
+    proc = cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exported step 10" in proc.stdout and "t_cat_0" in proc.stdout
+    model = json.loads((tmp_path / "b" / "model.json").read_text())
+    assert model["source"]["step"] == 10 and model["source"]["model_digest"] is None  # not the final step
+    again = cli(*args)
+    assert again.returncode == 2 and "exists" in again.stderr and again.stderr.strip().count("\n") == 0
+
+
+def test_export_refuses_a_run_without_checkpoints(tmp_path):
+    (tmp_path / "run").mkdir()
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        export_bundle(tmp_path / "run", tmp_path / "b")
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.tmp*"))
+
+
+def test_final_step_bundle_records_the_digest(trained, exported):
+    model = json.loads((exported("dcn_1") / "model.json").read_text())
+    assert model["source"]["step"] == STEPS
+    assert model["source"]["model_digest"] == summary(trained("dcn_1"))["model_digest"]
+    assert model["model"]["name"] == "dcn" and model["num_dense"] == 13
+    assert np.array([f["name"] for f in model["features"]]).tolist() == ["cat_0", "cat_1", "cat_2", "cat_3"]
