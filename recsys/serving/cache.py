@@ -113,10 +113,11 @@ def open_rows(path: Path, *, tables: list[str], row_floats: int) -> LmdbRows:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    """Counters of one table's cache, per distinct id of each lookup.
+    """Counters of one table's cache.
 
-    ``hits``: found in the cache; ``misses``: not (``stored`` of them read from LMDB, ``unseen`` never
-    stored, given their initial or zero rows); ``rows``: rows held now, of ``capacity``.
+    ``hits`` and ``misses``: ids looked up (each occurrence) found in the cache or not; of the distinct
+    ids missed by a lookup, ``stored`` were read from LMDB and ``unseen`` (never stored) got their
+    initial or zero rows; ``rows``: rows held now, of ``capacity``.
     """
 
     hits: int
@@ -169,32 +170,39 @@ class RowCache:
         self._hits = self._misses = self._stored = self._unseen = 0
 
     def lookup(self, ids: np.ndarray) -> torch.Tensor:
-        """Rows of (N,) sorted unique int64 ids as a (N, dim) float32 tensor."""
-        out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
+        """Rows of (N,) int64 ids (any order, repeats allowed) as a (N, dim) float32 tensor."""
         with self._lock:
             self._tick += 1
-            pos = self._map.lookup(ids) if self.capacity else np.full(ids.shape[0], -1, dtype=np.int64)
-            hit = pos >= 0
-            held = pos[hit]
-            self._last_use[held] = self._tick
-            out[hit] = self._arena[held]
-            self._hits += int(held.shape[0])
+            if self.capacity:
+                pos = self._map.lookup(ids)
+                hit = pos >= 0
+                if hit.all():  # the hot path: no copy of masks, one gather
+                    self._last_use[pos] = self._tick
+                    self._hits += int(ids.shape[0])
+                    return torch.from_numpy(np.take(self._arena, pos, axis=0))
+                held = pos[hit]
+                self._last_use[held] = self._tick
+                out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
+                out[hit] = self._arena[held]
+                self._hits += int(held.shape[0])
+            else:
+                hit = np.zeros(ids.shape[0], dtype=bool)
+                out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         missing = np.flatnonzero(~hit)
-        if missing.shape[0]:
-            # LMDB and the initialisation run without the lock, so that threads overlap their reads.
-            miss_ids = ids[missing]
-            found, rows = self._source.read(self.table, miss_ids, self.dim)
-            fetched = np.empty((miss_ids.shape[0], self.dim), dtype=np.float32)
-            fetched[found] = rows
-            if not found.all():
-                fetched[~found] = self._fill(miss_ids[~found])
-            out[missing] = fetched
-            with self._lock:
-                self._misses += int(miss_ids.shape[0])
-                self._stored += int(found.sum())
-                self._unseen += int((~found).sum())
-                if self.capacity:
-                    self._insert(miss_ids, fetched)
+        # LMDB and the initialisation run without the lock, so that threads overlap their reads.
+        miss_ids, inverse = np.unique(ids[missing], return_inverse=True)
+        found, rows = self._source.read(self.table, miss_ids, self.dim)
+        fetched = np.empty((miss_ids.shape[0], self.dim), dtype=np.float32)
+        fetched[found] = rows
+        if not found.all():
+            fetched[~found] = self._fill(miss_ids[~found])
+        out[missing] = fetched[inverse.reshape(-1)]
+        with self._lock:
+            self._misses += int(missing.shape[0])
+            self._stored += int(found.sum())
+            self._unseen += int((~found).sum())
+            if self.capacity:
+                self._insert(miss_ids, fetched)
         return torch.from_numpy(out)
 
     def _insert(self, ids: np.ndarray, rows: np.ndarray) -> None:

@@ -3,8 +3,8 @@
 ``register(sub)`` adds their parsers to the CLI's subparsers; ``run(args)`` runs the one parsed. Heavy
 modules are imported when a command runs, so that ``recsys --help`` stays quick.
 
-``recsys evaluate --run DIR [--checkpoint STEP|PATH] [--set section.key=value ...] [--nproc N] [--out FILE]``
-``recsys export --run DIR [--checkpoint STEP|PATH] --out BUNDLE [--buffer-rows N] [--keep-optimizer-state]``
+``recsys evaluate --run DIR [--checkpoint STEP|best|PATH] [--set section.key=value ...] [--nproc N] [--out FILE]``
+``recsys export --run DIR [--checkpoint STEP|best|PATH] --out BUNDLE [--buffer-rows N] [--keep-optimizer-state]``
 ``recsys predict --bundle BUNDLE --out FILE [--data SPEC_OR_CONFIG] [--split eval|train|all] [--rows N] ...``
 """
 
@@ -34,7 +34,7 @@ def register(sub: Any) -> None:
     ev = sub.add_parser("evaluate", help="AUC and log loss of a checkpoint on the held-out split")
     ev.add_argument("--run", required=True, type=Path, help="run directory (as given to train --out)")
     ev.add_argument(
-        "--checkpoint", default=None, help="step number or checkpoint directory (default: newest)"
+        "--checkpoint", default=None, help="step number, best, or a checkpoint directory (default: newest)"
     )
     _overrides(ev, "e.g. --set data.path=other/files --set eval.batch_size=8192")
     ev.add_argument(
@@ -47,7 +47,7 @@ def register(sub: Any) -> None:
     ex = sub.add_parser("export", help="write a self-contained serving bundle of a checkpoint")
     ex.add_argument("--run", required=True, type=Path, help="run directory (as given to train --out)")
     ex.add_argument(
-        "--checkpoint", default=None, help="step number or checkpoint directory (default: newest)"
+        "--checkpoint", default=None, help="step number, best, or a checkpoint directory (default: newest)"
     )
     ex.add_argument("--out", required=True, type=Path, help="bundle directory to create")
     ex.add_argument(

@@ -26,8 +26,8 @@ STRUCTURAL = (
 
 
 def find_checkpoint(run: Path, which: str | None) -> Path:
-    """The checkpoint ``which`` names (a step number, or a checkpoint directory; None: the newest
-    complete one) of run directory ``run``, verified against its manifest.
+    """The checkpoint ``which`` names (a step number, ``best``, or a checkpoint directory; None: the
+    newest complete one) of run directory ``run``, verified against its manifest.
 
     Raises:
         UserError: no such checkpoint, or it is damaged (one line naming the file).
@@ -40,6 +40,12 @@ def find_checkpoint(run: Path, which: str | None) -> Path:
         if path is None:
             raise UserError(
                 f"--run {run}: no complete checkpoint under {root} (train with train.checkpoint_every > 0)"
+            )
+    elif which == "best":  # the checkpoint of the best evaluation (eval.every > 0), kept in DIR/best
+        path = latest_checkpoint(run / "best")
+        if path is None:
+            raise UserError(
+                f"--checkpoint best: no checkpoint under {run / 'best'} (train with eval.every > 0)"
             )
     elif which.isdigit():
         path = root / f"step_{int(which):08d}"

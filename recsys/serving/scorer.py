@@ -98,6 +98,7 @@ class Scorer:
         self.device = device
         self.features = [f.name for f in bundle.features]
         self._specs = {f.name: f for f in bundle.features}
+        self._dim = bundle.features[0].dim  # the pooled (B, F, dim) tensor: every table has one dim
         self.num_dense = bundle.num_dense
         self._seed, self._scale = bundle.init
         self._unseen = unseen
@@ -142,9 +143,6 @@ class Scorer:
 
     def _pool(self, f: FeatureSpec, ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
         """Sum-pooled (B, dim) embeddings of one feature."""
-        offsets = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)).to(
-            self.device
-        )
         if f.kind == "plain":
             index = torch.from_numpy(ids % f.rows if f.rows else ids).to(self.device)
             weight = self._plain[f.name]
@@ -153,10 +151,15 @@ class Scorer:
                 raise ValueError(
                     f"feature {f.name!r}: id {int(ids.max())} is outside its id space [0, {f.id_space})"
                 )
-            unique, inverse = np.unique(ids, return_inverse=True)
-            weight = self._caches[f.name].lookup(unique).to(self.device)
-            index = torch.from_numpy(inverse.reshape(-1).astype(np.int64)).to(self.device)
-        return torch.nn.functional.embedding_bag(index, weight, offsets, mode="sum")
+            weight = self._caches[f.name].lookup(ids).to(self.device)  # a row per value
+            index = None
+        if ids.shape[0] == lengths.shape[0] and (lengths == 1).all():
+            # One id per sample: its row is the sum (the gather alone, without the bags' offsets).
+            return weight if index is None else torch.nn.functional.embedding(index, weight)
+        if index is None:
+            index = torch.arange(ids.shape[0], device=self.device)
+        offsets = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64))
+        return torch.nn.functional.embedding_bag(index, weight, offsets.to(self.device), mode="sum")
 
     @torch.no_grad()
     def logits(self, dense: Any, sparse: SparseInput) -> torch.Tensor:
@@ -175,7 +178,9 @@ class Scorer:
                 raise ValueError(
                     f"feature {name!r} has {lengths.shape[0]} samples, the dense features {x.shape[0]}"
                 )
-        pooled = torch.stack([self._pool(self._specs[n], *jagged[n]) for n in self.features], dim=1)
+        pooled = torch.empty(x.shape[0], len(self.features), self._dim, device=self.device)
+        for i, name in enumerate(self.features):
+            pooled[:, i] = self._pool(self._specs[name], *jagged[name])
         return self._model(x, pooled).float().cpu()
 
     def __call__(self, dense: Any, sparse: SparseInput) -> torch.Tensor:

@@ -34,7 +34,21 @@ RUNS: dict[str, dict[str, Any]] = {
     "row_wise_2": {"train": {"nproc": 2}, "sparse": {"sharding": "row_wise"}},
     # 1 rank, DLRM-DCNv2.
     "dcn_1": {"train": {"nproc": 1}, "model": {"name": "dcn", "dcn_low_rank_dim": 4}},
+    # 2 ranks, table-wise, bags of 1 to 3 ids per feature (slow tests only).
+    "multi_hot_2": {"train": {"nproc": 2}, "synthetic": {"multi_hot": 3}},
+    # 1 rank, logistic regression (4-wide rows; slow tests only).
+    "logistic_1": {"train": {"nproc": 1}, "model": {"name": "logistic"}},
 }
+
+
+# Every run, the slow ones marked: for the tests that check each kind of run against its oracle.
+EVERY_RUN = [
+    "table_wise_2",
+    "row_wise_2",
+    "dcn_1",
+    pytest.param("multi_hot_2", marks=pytest.mark.slow),
+    pytest.param("logistic_1", marks=pytest.mark.slow),
+]
 
 
 def _config(name: str) -> str:

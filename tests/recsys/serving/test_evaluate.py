@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recsys.metrics import auc_logloss
-from tests.recsys.serving.conftest import STEPS, cli, summary
+from tests.recsys.serving.conftest import EVERY_RUN, STEPS, cli, summary
 
 
 def test_evaluate_cli_reproduces_the_final_metrics_exactly(trained, tmp_path):
@@ -24,7 +24,7 @@ def test_evaluate_cli_reproduces_the_final_metrics_exactly(trained, tmp_path):
     assert f"step {STEPS}: auc {saved['auc']:.6f}" in proc.stdout
 
 
-@pytest.mark.parametrize("name", ["table_wise_2", "row_wise_2", "dcn_1"])
+@pytest.mark.parametrize("name", EVERY_RUN)
 def test_evaluate_reproduces_the_final_metrics_and_logits(name, trained, training_logits):
     results = training_logits(name)
     saved = summary(trained(name))

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from recsys.errors import UserError
 from recsys.serving.export import ExportOptions, export_bundle
-from tests.recsys.serving.conftest import STEPS, bundle_digest, cli, summary, tiered_rows
+from tests.recsys.serving.conftest import EVERY_RUN, STEPS, bundle_digest, cli, summary, tiered_rows
 
 
-@pytest.mark.parametrize("name", ["table_wise_2", "row_wise_2", "dcn_1"])
+@pytest.mark.parametrize("name", EVERY_RUN)
 def test_a_bundle_with_optimizer_state_has_the_runs_digest(name, trained, exported):
     bundle = exported(name, keep_optimizer_state=True, buffer_rows=300)
     assert bundle_digest(bundle) == summary(trained(name))["model_digest"]
