@@ -31,7 +31,7 @@ def _no_future() -> tuple[np.ndarray, np.ndarray] | None:
     return None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: finish_prefetch removes this very plan from the list
 class PrefetchPlan:
     """Ids one prefetch reads from LMDB without the store lock, the rows it already found pending in the
     writer, and the ids moved down meanwhile."""

@@ -266,3 +266,15 @@ def test_counters_do_not_wait_for_a_call_that_holds_the_store_lock(store_dir, mo
         assert polled["t"][Tier.DEVICE].hits == 1
         polled["t"][Tier.DEVICE].hits = 99  # a copy: the store's counters are not touched
         assert store.stats().tables["t"][Tier.DEVICE].hits == 1
+
+
+def test_concurrent_prefetch_plans_are_removed_by_identity():
+    """Two prefetches in flight: finishing the later one must not compare plans (their ids are arrays)."""
+    from embedding_store.tiered_table import PrefetchPlan
+
+    first = PrefetchPlan(ids=np.arange(3), epoch=0)
+    second = PrefetchPlan(ids=np.arange(5), epoch=0)
+    plans = [first, second]
+    plans.remove(second)  # compared by value, numpy arrays of other lengths would raise here
+    assert plans == [first] and plans[0] is first
+    assert PrefetchPlan(ids=np.arange(3), epoch=0) not in plans  # equal contents, another plan
