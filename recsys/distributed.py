@@ -99,6 +99,11 @@ def init_distributed(*, threads_per_rank: int = 0, timeout_s: float = 1800.0) ->
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
     torch.set_num_threads(threads)
     _timeout = datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
+    if not dist.is_initialized() and world_size == 1:
+        # One rank needs no rendezvous: an in-process store, so no TCP port can be taken from under it.
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_timeout
+        )
+    elif not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=_timeout)
     return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
