@@ -75,8 +75,14 @@ class _Flat:
             )
 
 
-def parse_criteo(data: bytes, *, first_line: int, has_label: bool, issues: Issues) -> Block:
-    """One chunk of whole Criteo TSV lines → a Block (dense log-transformed, one id per categorical)."""
+def parse_criteo(
+    data: bytes, *, first_line: int, has_label: bool, issues: Issues, id_spaces: tuple[int, ...] = ()
+) -> Block:
+    """One chunk of whole Criteo TSV lines → a Block (dense log-transformed, one id per categorical).
+
+    ``id_spaces`` (one per categorical, or empty): the hexadecimal ids, hashes already, are folded
+    into a declared id space (modulo), as hashed tokens are.
+    """
     num_fields = NUM_DENSE + NUM_SPARSE + (1 if has_label else 0)
     f = split_fields(data, delimiter=b"\t", num_fields=num_fields, first_line=first_line, issues=issues)
     problems = Problems(f.num_rows)
@@ -87,6 +93,9 @@ def parse_criteo(data: bytes, *, first_line: int, has_label: bool, issues: Issue
         label = np.zeros(f.num_rows, dtype=np.int64)
     counts, ids = _parse_columns(f, 1 if has_label else 0, problems)
     by_feature = np.ascontiguousarray(ids.T)  # one transposing copy; each feature's ids are then a row
+    for j, space in enumerate(id_spaces):
+        if space < 1 << 32:
+            by_feature[j] %= space
     block = Block(
         log_counts(counts),
         tuple(Jagged.single(by_feature[j]) for j in range(NUM_SPARSE)),
@@ -101,6 +110,10 @@ class CriteoParser:
     """:func:`parse_criteo` as a text source's chunk parser (picklable, so it can parse in processes)."""
 
     has_label: bool = True
+    id_spaces: tuple[int, ...] = ()
 
     def __call__(self, data: bytes, first: int, issues: Issues) -> tuple[Block, None]:
-        return parse_criteo(data, first_line=first, has_label=self.has_label, issues=issues), None
+        block = parse_criteo(
+            data, first_line=first, has_label=self.has_label, issues=issues, id_spaces=self.id_spaces
+        )
+        return block, None

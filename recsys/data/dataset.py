@@ -267,7 +267,7 @@ class SpecDataset:
     def _source(self, files: list[Path], rows: tuple[int, int | None] = (0, None)) -> RowSource:
         spec = self.spec
         if spec.format is Format.CRITEO_TSV:
-            parse = CriteoParser(spec.read.has_label)
+            parse = CriteoParser(spec.read.has_label, tuple(spec.id_space(s) for s in spec.sparse))
             return TextSource(files, parse, header=False, on_error=self.on_error, lines=rows)
         if spec.format is Format.TORCHREC_NPY:
             return NpySource(files, rows=rows, on_error=self.on_error, dense=spec.dense)

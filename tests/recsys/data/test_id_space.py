@@ -110,3 +110,22 @@ def test_an_id_space_larger_than_an_in_memory_table_is_warned_about(tmp_path, cl
     config = _write(tmp_path, item_space=1 << 40)
     proc = _train(config, tmp_path / "run", False, cli_env)
     assert "the in-memory tables of item (1,099,511,627,776 ids) fold ids modulo" in proc.stderr
+
+
+def test_criteo_hex_ids_are_folded_into_a_declared_id_space(tmp_path):
+    from tests.recsys.data.conftest import criteo_lines
+
+    lines = criteo_lines(300)
+    (tmp_path / "day_0").write_text("\n".join(lines) + "\n")
+    sparse = "".join(f'[[sparse]]\nname = "c{j}"\nkind = "hex"\nid_space = {1000 + j}\n' for j in range(26))
+    (tmp_path / "spec.toml").write_text(
+        f'name = "crit"\nformat = "criteo_tsv"\n[source]\nfiles = ["day_0"]\n[split]\neval_fraction = 0.5\n{sparse}'
+    )
+    data = build_dataset(DataConfig(source=str(tmp_path / "spec.toml")), synthetic=None, seed=0)  # type: ignore[arg-type]
+    assert data.id_spaces == [1000 + j for j in range(26)]
+    (batch,) = list(data.train_batches(rank=0, world_size=1, batch_size=150, start_step=0))[:1]
+    raw = [[int(x, 16) if x else None for x in line.split("\\t")[14:]] for line in lines[:150]]
+    for j in range(26):
+        ids = batch.sparse[f"c{j}"].values().numpy()
+        expected = [r[j] % (1000 + j) for r in raw if r[j] is not None]
+        assert ids.tolist() == expected
