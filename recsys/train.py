@@ -327,6 +327,36 @@ class Trainer:
             self._saved_step = self.step
         return path
 
+    def _too_few_slots(self, cause: StoreCapacityError) -> str:
+        """The device-tier error: each tiered table's minimum slots per owner for the steps run so far and
+        the batches in flight (one replay of them: what `recsys tune-cache --batches` states), where its
+        capacity is below that; the store's own message when the replay finds none."""
+        from recsys.tune.replay import batches_in_flight
+        from recsys.tune.tuner import min_device_rows_by_feature
+
+        cfg = self.config
+        in_flight = batches_in_flight(cfg)
+        # Steps [0, step + in_flight): the batches trained and those being filled (an evaluation after this
+        # step runs beside the latter), so the replay costs a fraction of the training so far.
+        batches = min(cfg.train.steps, self.step + in_flight)
+        try:
+            need = min_device_rows_by_feature(cfg, world_size=self.env.world_size, batches=batches)
+        except Exception as err:  # noqa: BLE001 - the capacity error is the one to report
+            log.debug("replaying the run for the minimum device slots: %s", err)
+            need = {}
+        short = [
+            f"table t_{f} needs at least {n:,} device slots per owner "
+            f"(store.capacity.{f}.device is {self.capacities[f][0]:,})"
+            for f, n in need.items()
+            if n > self.capacities[f][0]
+        ]
+        return (
+            f"the device tier is too small for the batches in flight (up to {in_flight} training batches, or "
+            f"an evaluation batch beside those still pinned): {'; '.join(short) or cause}; raise "
+            f"store.capacity.<feature>.device or store.device_rows (now {cfg.store.device_rows:,}); "
+            f"`recsys tune-cache` states the minimum for all {cfg.train.steps:,} steps"
+        )
+
     # -- health: non-finite values and stop signals -----------------------------------------------
 
     def _dense_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -598,11 +628,7 @@ class Trainer:
             if isinstance(cause, StoreFullError):
                 raise UserError(f"{cause}; raise store.max_lmdb_bytes or free disk space") from err
             if isinstance(cause, StoreCapacityError):
-                raise UserError(
-                    "the device tier is too small for the batches in flight (four training batches, or one "
-                    f"evaluation batch): {cause}; raise store.device_rows (now {self.config.store.device_rows}) "
-                    "or the table's store.capacity.<feature>.device (`recsys tune-cache` states the minimum)"
-                ) from err
+                raise UserError(self._too_few_slots(cause)) from err
             raise
         finally:
             bar.close()  # ends the bar's line before any error message
