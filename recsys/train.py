@@ -189,8 +189,9 @@ class Trainer:
     # -- evaluation -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, pipeline: TrainPipelineSparseDist | None = None) -> tuple[float, float]:
-        """AUC and log loss over the whole held-out split (every rank scores its share).
+    @torch.no_grad()
+    def predict(self, pipeline: TrainPipelineSparseDist | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's logits (N,) and labels (N,) of its share of the held-out split (collective).
 
         A train pipeline rewrites the sparse modules' forward; it is detached for the evaluation (its
         in-flight batches are kept) and re-attaches itself on its next ``progress``.
@@ -217,7 +218,11 @@ class Trainer:
             for name, value in self.tiered.counters().items():
                 delta = value - before.get(name, torch.zeros_like(value))
                 self._eval_counters[name] = self._eval_counters.get(name, torch.zeros_like(value)) + delta
-        mine = (torch.cat(logits), torch.cat(labels))
+        return torch.cat(logits), torch.cat(labels)
+
+    def evaluate(self, pipeline: TrainPipelineSparseDist | None = None) -> tuple[float, float]:
+        """AUC and log loss over the whole held-out split (every rank scores its share; collective)."""
+        mine = self.predict(pipeline)
         parts = [mine]
         if self.env.world_size > 1:
             parts = [None] * self.env.world_size  # type: ignore[list-item]
@@ -308,9 +313,17 @@ class Trainer:
         except Exception as err:  # noqa: BLE001 - the error that stopped the run is the one to report
             log.debug("closing the store after a failure: %s", err)
 
+    def _checkpoint_extra(self, path: Path) -> list[Path]:
+        """What a checkpoint holds beside the rank files: this rank's store snapshot, and (rank 0) the
+        resolved config the checkpoint was trained with, for ``recsys evaluate`` and ``recsys export``."""
+        out = [] if self.tiered is None else self.tiered.snapshot(self._store_snapshot(path))
+        if self.env.is_main:
+            write_json(path / "config.json", config_to_dict(self.config))
+            out.append(path / "config.json")
+        return out
+
     def save(self, *, best: bool = False) -> Path:
         """Checkpoint the current state under ``checkpoints/`` (or, ``best``, as the only one in ``best/``)."""
-        tiered = self.tiered
         root = self.best_root if best else self.checkpoint_root
         with writing(root):
             path = save_checkpoint(
@@ -319,7 +332,7 @@ class Trainer:
                 dmp=self.dmp,
                 dense_optimizer=self.dense_optimizer,
                 keep=1 if best else self.config.train.keep_checkpoints,
-                extra=None if tiered is None else lambda path: tiered.snapshot(self._store_snapshot(path)),
+                extra=self._checkpoint_extra,
                 fingerprint=model_fingerprint(self.config),
                 trainer_state={"selection": self.selection.state(), "held_out": self.held_out},
             )

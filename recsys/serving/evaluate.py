@@ -31,8 +31,7 @@ from recsys.data.source import check_source
 from recsys.distributed import free_port, init_distributed, launched_by_torchrun, set_local_rank_env
 from recsys.errors import UserError
 from recsys.serving.runs import find_checkpoint, run_config
-from recsys.tiered import EVAL
-from recsys.train import EVAL_BATCH_BASE, Trainer, _fold_ids
+from recsys.train import Trainer
 
 __all__ = ["evaluate_checkpoint", "held_out_logits", "restore"]
 
@@ -56,26 +55,10 @@ def restore(trainer: Trainer, checkpoint: Path) -> int:
     return step
 
 
-@torch.no_grad()
 def held_out_logits(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's logits and labels of the held-out split (collective), batch by batch as
     :meth:`Trainer.evaluate` computes them before it reduces them to AUC and log loss."""
-    trainer.dmp.eval()
-    logits, labels = [], []
-    batches = trainer.data.eval_batches(
-        rank=trainer.env.rank, world_size=trainer.env.world_size, batch_size=trainer.config.eval.batch_size
-    )
-    for index, batch in enumerate(batches):
-        batch = _fold_ids(batch, trainer.fold)
-        if trainer.tiered is not None:
-            batch = trainer.tiered.remap(EVAL_BATCH_BASE + index, batch, channel=EVAL)
-        _, (_, out, lab) = trainer.dmp(batch.to(trainer.env.device))
-        if trainer.tiered is not None:
-            trainer.tiered.release(EVAL_BATCH_BASE + index)
-        logits.append(out.cpu())
-        labels.append(lab.cpu())
-    trainer.dmp.train()
-    return torch.cat(logits), torch.cat(labels)
+    return trainer.predict()
 
 
 @dataclasses.dataclass(frozen=True)
