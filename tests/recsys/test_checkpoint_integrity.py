@@ -23,6 +23,7 @@ from recsys.checkpoint import (
     META,
     CheckpointError,
     _describe,
+    _short,
     checkpoint_meta,
     fingerprint_mismatch,
     load_checkpoint,
@@ -141,7 +142,7 @@ def test_manifest_entry_outside_the_checkpoint_is_damage_and_never_opened(kind, 
     meta["files"][name] = _entry(secret.read_bytes())  # size and checksum right: only the name is wrong
     (bad / META).write_text(json.dumps(meta))
     why = {
-        "absolute": f"manifest entry {name!r} is an absolute path",
+        "absolute": f"manifest entry {_short(name)} is an absolute path",  # a long tmp path is cut
         "dotdot": f"manifest entry {name!r} contains '..'",
         "symlinked_file": f"manifest entry {name!r} resolves to {secret}, outside it",
         "symlinked_folder": f"manifest entry {name!r} resolves to {secret}, outside it",
@@ -466,7 +467,7 @@ def test_damaged_checkpoint_falls_back_and_resumes_exactly(
     run = tmp_path / "run"
     run_train(config, run, "--set", "train.steps=40", env=cli_env)  # checkpoints 20, 40
     newest = run / "checkpoints" / "step_00000040"
-    assert sorted(checkpoint_meta(newest)["files"]) == ["rank_0.pt", "store_rank_0/data.mdb"]
+    assert sorted(checkpoint_meta(newest)["files"]) == ["config.json", "rank_0.pt", "store_rank_0/data.mdb"]
     assert verify_checkpoint(newest) == []  # nothing unlisted: the snapshot holds data.mdb only
     if damage in ("truncate_rank_file", "unlisted_truncated_rank_file"):
         bad = newest / "rank_0.pt"
