@@ -57,7 +57,7 @@ from embedding_store.init import init_rows
 from embedding_store.lmdb_backend import scan_snapshot
 from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats, TierStats
-from embedding_store.store import RowChunk, TieredStore, restore_resharded, restore_snapshot
+from embedding_store.store import RowChunk, TieredStore, restore_resharded, restore_snapshot, snapshot_chunks
 
 __all__ = [
     "DirectoryLock",
@@ -83,4 +83,5 @@ __all__ = [
     "restore_resharded",
     "restore_snapshot",
     "scan_snapshot",
+    "snapshot_chunks",
 ]

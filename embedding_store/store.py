@@ -35,7 +35,7 @@ from embedding_store.tiered_table import PrefetchPlan, TieredTable
 from embedding_store.tiers import FutureIds
 from embedding_store.writer import WriteBehind
 
-__all__ = ["RowChunk", "TieredStore", "restore_resharded", "restore_snapshot"]
+__all__ = ["RowChunk", "TieredStore", "restore_resharded", "restore_snapshot", "snapshot_chunks"]
 
 # Union-of-future-ids sets kept (per table and window): enough for the stages working on different windows.
 _FUTURE_CACHE_ENTRIES = 8
@@ -471,6 +471,12 @@ class TieredStore:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close(flush=exc_type is None)
+
+
+def snapshot_chunks(path: str | os.PathLike[str], spec: TableSpec, *, seed: int) -> Iterator[RowChunk]:
+    """``spec``'s rows in a store snapshot, read-only, ascending ids, as RowChunks (weights, state)."""
+    for ids, rows in scan_snapshot(Path(path), spec, seed=seed):
+        yield _chunk(spec, ids, rows)
 
 
 def _chunk(spec: TableSpec, ids: np.ndarray, rows: np.ndarray) -> RowChunk:

@@ -30,7 +30,8 @@ def parse_seeds(text: str) -> list[int]:
         for part in text.split(","):
             part = part.strip()
             if "-" in part[1:]:  # a range; a leading "-" is a negative number, refused below
-                lo, hi = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
+                first, _, hi = part[1:].partition("-")
+                lo = part[0] + first
                 seeds += range(int(lo), int(hi) + 1)
             else:
                 seeds.append(int(part))

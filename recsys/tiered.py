@@ -43,7 +43,7 @@ from embedding_store import (
     TieredStore,
     restore_resharded,
     restore_snapshot,
-    scan_snapshot,
+    snapshot_chunks,
 )
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
 from recsys.data.batch import Batch
@@ -405,10 +405,8 @@ class TieredTables:
             return
         spec = next(t for t in self._store_args["tables"] if t.name == name)
         seed = self._store_args["config"].seed
-        for ids, rows in scan_snapshot(snapshot, spec, seed=seed):
-            packed = torch.from_numpy(rows)  # (n, dim + state floats)
-            state = None if not spec.state_floats else packed[:, spec.dim :].squeeze(1)
-            yield torch.from_numpy(ids), packed[:, : spec.dim], state
+        for chunk in snapshot_chunks(snapshot, spec, seed=seed):
+            yield chunk.ids, chunk.weights, chunk.state
 
     # Counter vector per table: device hits/misses (id occurrences), host hits/misses, LMDB rows read,
     # rows first initialised, rows written to LMDB, device evictions.

@@ -757,9 +757,11 @@ def writing(path: Path) -> Iterator[None]:
     except (OSError, RuntimeError) as err:
         if no_space_left(err) is None:
             raise
-        raise UserError(
-            f"no space left on device writing {path}; free disk space, then continue with --resume"
-        ) from err
+        raise _disk_full(path) from err
+
+
+def _disk_full(path: Path | str) -> UserError:
+    return UserError(f"no space left on device writing {path}; free disk space, then continue with --resume")
 
 
 def _warn_folded(cfg: RunConfig, features: list[str], spaces: list[int], fold: list[int]) -> None:
@@ -916,10 +918,7 @@ def run(
         raise full from err
     except BaseException as err:
         if (cause := no_space_left(err)) is not None and not isinstance(err, UserError):
-            where = cause.filename or out_dir
-            full = UserError(
-                f"no space left on device writing {where}; free disk space, then continue with --resume"
-            )
+            full = _disk_full(cause.filename or out_dir)
             record_failure(out_dir, env.rank, full)
             raise full from err
         record_failure(out_dir, env.rank, err)  # before the teardown makes the other ranks fail too
