@@ -38,9 +38,17 @@ steps, when no backward is updating the slot table::
     store.read_rows("t0", ids); store.evict("t0"); store.wait_for_writes(); store.stats()
 
 Building blocks: :class:`~embedding_store.index.HashIdMap` / ``DenseIdMap`` (vectorised id -> position
-maps), eviction policies (``LRU``, ``LFU``, ``LOOKAHEAD``) in :mod:`embedding_store.policies`, and the
-LMDB backend in :mod:`embedding_store.lmdb_backend` (the only module that imports ``lmdb``).
+maps), eviction policies (``LRU``, ``LFU``, ``LOOKAHEAD``) in :mod:`embedding_store.policies`, the
+SplitMix64 hash in :mod:`embedding_store.hashing` (numpy only), and the LMDB backend in
+:mod:`embedding_store.lmdb_backend` (the only module that imports ``lmdb``). The store, the backend and
+``init_rows`` load on first use: importing the config, the errors or the hashing leaf loads neither torch
+nor LMDB.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from embedding_store.config import LmdbOptions, OptimizerKind, PolicyKind, StoreConfig, TableSpec, Tier
 from embedding_store.errors import (
@@ -53,11 +61,40 @@ from embedding_store.errors import (
     StoreIncompatibleError,
     StoreLockedError,
 )
-from embedding_store.init import init_rows
-from embedding_store.lmdb_backend import scan_snapshot
 from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats, TierStats
-from embedding_store.store import RowChunk, TieredStore, restore_resharded, restore_snapshot, snapshot_chunks
+
+if TYPE_CHECKING:
+    from embedding_store.init import init_rows
+    from embedding_store.lmdb_backend import scan_snapshot
+    from embedding_store.store import (
+        RowChunk,
+        TieredStore,
+        restore_resharded,
+        restore_snapshot,
+        snapshot_chunks,
+    )
+
+# Loaded on first use, so that importing a light module of the package (its config, errors or the
+# hashing leaf) does not load torch and LMDB: name -> the module that defines it.
+_LAZY = {
+    "init_rows": "embedding_store.init",
+    "scan_snapshot": "embedding_store.lmdb_backend",
+    **dict.fromkeys(
+        ("RowChunk", "TieredStore", "restore_resharded", "restore_snapshot", "snapshot_chunks"),
+        "embedding_store.store",
+    ),
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DirectoryLock",

@@ -6,7 +6,8 @@ lazily on first access, and untiered reference tables use the very same function
 "tiered training is bitwise identical to untiered training" checkable.
 
 Each value is drawn from a counter-based generator (a 64-bit mixing hash of seed, table, id and
-column), so any subset of rows can be produced without producing the others.
+column: :mod:`embedding_store.hashing`), so any subset of rows can be produced without producing the
+others.
 """
 
 from __future__ import annotations
@@ -17,27 +18,12 @@ import zlib
 import numpy as np
 import torch
 
-__all__ = ["init_rows", "mix64", "table_key"]
+from embedding_store.hashing import mix64_inplace
+
+__all__ = ["init_rows", "table_key"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _CHUNK_VALUES = 1 << 22  # bound the temporary uint64 buffers (~32 MiB each)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser, in place on a uint64 array (wrapping arithmetic)."""
-    x ^= x >> np.uint64(30)
-    x *= _M1
-    x ^= x >> np.uint64(27)
-    x *= _M2
-    x ^= x >> np.uint64(31)
-    return x
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser of a uint64 array: a new array of well-mixed 64-bit hashes."""
-    return _mix64(x.astype(np.uint64, copy=True))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -45,7 +31,7 @@ def table_key(seed: int, table: str) -> np.uint64:
     """The 64-bit stream key of one table under one seed."""
     name_hash = zlib.crc32(table.encode("utf-8"))
     x = np.array([(seed & 0xFFFFFFFF) << 32 | name_hash], dtype=np.uint64)
-    return _mix64(_mix64(x))[0]
+    return mix64_inplace(mix64_inplace(x))[0]
 
 
 def init_rows(
@@ -86,8 +72,8 @@ def init_rows(
     f_scale = np.float32(scale)
     for start in range(0, n, rows_per_chunk):
         chunk = ids_np[start : start + rows_per_chunk].view(np.uint64)
-        base = _mix64(chunk ^ key)  # (n,)
-        h = _mix64(base[:, None] + cols[None, :])  # (n, D)
+        base = mix64_inplace(chunk ^ key)  # (n,)
+        h = mix64_inplace(base[:, None] + cols[None, :])  # (n, D)
         unit = (h >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)  # [0, 1), exact
         out[start : start + rows_per_chunk] = unit * two_scale - f_scale
     return torch.from_numpy(out)

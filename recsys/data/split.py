@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from embedding_store.init import mix64
+from embedding_store.hashing import mix64
 from recsys.data.spec import SplitSpec
 from recsys.data.tabular import ArrowTable, SideTable, Table, TextTable
 from recsys.data.text import Problems, _matrix, parse_float

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embedding_store.init import mix64 as _mix
+from embedding_store.hashing import mix64 as _mix
 from recsys.data.batch import Batch
 from recsys.data.stats import SplitStats
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embedding_store.init import mix64 as _mix
+from embedding_store.hashing import mix64 as _mix
 from recsys.errors import UserError
 
 __all__ = [

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedding_store.init import mix64
+from embedding_store.hashing import mix64
 
 __all__ = ["Policy", "SimResult", "Trace", "TraceBuilder", "belady_hits", "min_capacity", "simulate"]
 
