@@ -264,8 +264,8 @@ def _train_seeds(args: argparse.Namespace, overrides: list[str], out: Path) -> i
 
 
 def _preprocess(args: argparse.Namespace) -> int:
+    from recsys.data.issues import OnError
     from recsys.data.preprocess import criteo_tsv_to_npy
-    from recsys.data.text import OnError
     from recsys.errors import UserError
 
     try:

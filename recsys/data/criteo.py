@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from recsys.data.block import Block, Jagged
-from recsys.data.text import Fields, Issues, Problems, parse_hex, parse_int, split_fields
+from recsys.data.fields import Fields, split_fields
+from recsys.data.issues import Issues, Problems
+from recsys.data.numbers import parse_hex, parse_int
 
 __all__ = [
     "NUM_DENSE",

@@ -22,12 +22,13 @@ from recsys.data.batch import Batch
 from recsys.data.block import Block, Jagged
 from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
 from recsys.data.epochs import eval_batches_of, train_batches_of
+from recsys.data.fields import split_fields
+from recsys.data.issues import Issues, OnError, Problems
 from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource
 from recsys.data.spec import DatasetSpec, Format, JoinSpec, inside_root, path_problem, quoted
 from recsys.data.split import SplitKeys, check_split_columns, merge_keys, row_keys, split_rows
 from recsys.data.stats import SplitStats, stats_of_source
 from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
-from recsys.data.text import Issues, OnError, Problems, split_fields
 from recsys.errors import UserError
 
 __all__ = ["ArrayDataset", "SpecDataset", "train_batches_of", "eval_batches_of"]
@@ -186,9 +187,9 @@ def _natural(path: Path) -> list[object]:
 
 
 def _header(path: Path, delimiter: bytes) -> list[str]:
-    from recsys.data.text import _open
+    from recsys.data.chunks import open_binary
 
-    with _open(path) as fh:
+    with open_binary(path) as fh:
         line = fh.readline().rstrip(b"\r\n")
     # RecBole typed headers: `user_id:token` names the column `user_id`.
     return [c.decode("utf-8", "replace").split(":", 1)[0] for c in line.split(delimiter)]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from recsys.data.text import Issues, OnError
+from recsys.data.issues import Issues, OnError
 
 __all__ = ["ProcessParsePool", "process_pool_available", "picklable"]
 

@@ -18,18 +18,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from recsys.data.block import Block, Jagged
+from recsys.data.chunks import after_lines, count_lines, iter_chunks
+from recsys.data.issues import NOT_FINITE, Issues, MalformedInputError, OnError, log_issues
 from recsys.data.parallel import ProcessParsePool, picklable, process_pool_available
 from recsys.data.spec import DenseSpec, Transform
-from recsys.data.text import (
-    NOT_FINITE,
-    Issues,
-    MalformedInputError,
-    OnError,
-    after_lines,
-    count_lines,
-    iter_chunks,
-    log_issues,
-)
 from recsys.errors import UserError
 
 __all__ = ["RowSource", "TextSource", "NpySource", "MemorySource", "ParquetSource", "ChunkParser", "rebatch"]

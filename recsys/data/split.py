@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 
 from embedding_store.hashing import mix64
+from recsys.data.fields import column_matrix
+from recsys.data.issues import Problems
+from recsys.data.numbers import parse_float
 from recsys.data.spec import SplitSpec
 from recsys.data.tabular import ArrowTable, SideTable, Table, TextTable
-from recsys.data.text import Problems, _matrix, parse_float
 from recsys.errors import UserError
 
 __all__ = ["SplitKeys", "row_keys", "merge_keys", "split_rows", "check_split_columns", "held_out_groups"]
@@ -86,7 +88,7 @@ def _text_order(table: TextTable, column: str, where: str) -> SplitKeys:
         text_at = f"{where}:{int(f.lines[row])} {f.text(row, col)!r}"
         if number_at:
             raise _mixed(column, number_at, text_at)
-        mat, _ = _matrix(f, col)  # zero-padded: numpy compares bytes strings without trailing NULs
+        mat, _ = column_matrix(f, col)  # zero-padded: numpy compares bytes strings without trailing NULs
         return SplitKeys(np.ascontiguousarray(mat).view(f"S{mat.shape[1]}").ravel(), None, "", text_at)
     return SplitKeys(np.where(missing, np.nan, values), None, number_at, "")
 

@@ -15,8 +15,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from recsys.data.block import Block, Jagged
+from recsys.data.fields import Fields
+from recsys.data.issues import NOT_FINITE, Problems
+from recsys.data.numbers import parse_float, parse_hex, parse_int
 from recsys.data.spec import DatasetSpec, DenseSpec, SparseKind, SparseSpec, Transform
-from recsys.data.text import NOT_FINITE, Fields, Problems, hash_tokens, parse_float, parse_hex, parse_int
+from recsys.data.tokens import hash_tokens
 from recsys.errors import UserError
 
 __all__ = ["Table", "TextTable", "ArrowTable", "SideTable", "to_block", "needed_columns"]

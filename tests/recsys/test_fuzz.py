@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recsys.config import RunConfig, _section_types, config_from_dict, load_config
+from recsys.data.issues import OnError
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.synthetic import SyntheticConfig
-from recsys.data.text import OnError
 from recsys.errors import UserError
 from tests.recsys.data.conftest import criteo_lines
 

@@ -10,7 +10,7 @@ import torch
 
 from recsys.data.source import DataConfig, Dataset, build_dataset
 from recsys.data.synthetic import SyntheticConfig
-from recsys.data.text import hash_strings
+from recsys.data.tokens import hash_strings
 from recsys.errors import UserError
 
 N = 1003  # rows of the CSV fixture (odd, so batches and shares do not divide it)

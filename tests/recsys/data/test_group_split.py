@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.synthetic import SyntheticConfig
-from recsys.data.text import hash_strings
+from recsys.data.tokens import hash_strings
 from recsys.errors import UserError
 
 SPEC = """

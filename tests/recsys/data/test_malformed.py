@@ -7,10 +7,10 @@ import logging
 import numpy as np
 import pytest
 
+from recsys.data.issues import MalformedInputError, OnError
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.sources import TextSource
 from recsys.data.synthetic import SyntheticConfig
-from recsys.data.text import MalformedInputError, OnError
 from recsys.errors import UserError
 from tests.recsys.data.conftest import criteo_lines, criteo_oracle
 

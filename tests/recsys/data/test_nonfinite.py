@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from recsys.data.block import Block, Jagged
+from recsys.data.issues import MalformedInputError, OnError
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.sources import NpySource, TextSource
 from recsys.data.spec import DenseSpec
 from recsys.data.synthetic import SyntheticConfig
-from recsys.data.text import MalformedInputError, OnError
 from recsys.errors import UserError
 from tests.recsys.data.conftest import criteo_lines
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from recsys.data.issues import OnError
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.synthetic import SyntheticConfig
-from recsys.data.text import OnError
 from recsys.errors import UserError
 
 SPEC = """

@@ -11,9 +11,9 @@ import pytest
 
 from recsys.data.block import Block
 from recsys.data.criteo import CriteoParser
+from recsys.data.issues import Issues, MalformedInputError, OnError
 from recsys.data.parallel import ProcessParsePool
 from recsys.data.sources import TextSource
-from recsys.data.text import Issues, MalformedInputError, OnError
 from tests.recsys.data.conftest import criteo_lines, criteo_oracle
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from recsys.data.dataset import ArrayDataset
+from recsys.data.issues import OnError
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.stats import SplitStats, constant_logloss, split_stats_of, stats_of_batches
 from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
-from recsys.data.text import OnError
 from recsys.errors import UserError
 
 # Ten rows: row i has time TIMES[i] and label LABELS[i].
