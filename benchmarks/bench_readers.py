@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recsys.data.criteo import CriteoParser  # noqa: E402
 from recsys.data.issues import OnError  # noqa: E402
-from recsys.data.sources import TextSource  # noqa: E402
+from recsys.data.row_sources import TextSource  # noqa: E402
 
 
 def _chunk_of_lines(rows: int, seed: int) -> bytes:

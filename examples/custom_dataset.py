@@ -8,8 +8,8 @@ Run it (from the repository root)::
 ``recsys`` imports ``examples.custom_dataset`` (the working directory is on the import path) and calls
 ``make_dataset(config, seed=seed)`` in every rank; ``config`` is the ``[data]`` section (its ``path`` key
 is free for your own use). Return any object with the Dataset protocol's methods
-(``recsys/data/source.py``); :class:`recsys.data.dataset.ArrayDataset` turns numpy arrays into one, with
-rank shares, per-epoch shuffles and exact resume handled for you.
+(``recsys/data/source.py``); :class:`recsys.data.array_dataset.ArrayDataset` turns numpy arrays into
+one, with rank shares, per-epoch shuffles and exact resume handled for you.
 
 Here the "own data" is a toy shop log: users, items and a weekday, clicked when a hidden user taste
 matches a hidden item style — replace ``_load`` with reading your files.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recsys.data.dataset import ArrayDataset
+from recsys.data.array_dataset import ArrayDataset
 from recsys.data.source import DataConfig
 
 NUM_USERS, NUM_ITEMS = 5_000, 2_000

@@ -19,10 +19,10 @@ import numpy as np
 
 from recsys.data.batch import Batch
 from recsys.data.block import Block
-from recsys.data.sources import MemorySource, RowSource, rebatch
+from recsys.data.row_sources import MemorySource, RowSource, rebatch
 from recsys.errors import UserError
 
-__all__ = ["train_batches_of", "eval_batches_of"]
+__all__ = ["SplitDataset", "train_batches_of", "eval_batches_of"]
 
 
 def _local(rank: int, world_size: int, rows: int) -> tuple[int, int]:
@@ -114,3 +114,48 @@ def eval_batches_of(
         lo, hi = _local(rank, world_size, block.num_rows)
         if hi > lo:
             yield block.slice(lo, hi).to_batch(feature_names)
+
+
+class SplitDataset:
+    """The Dataset methods of a dataset whose two splits are row sources (subclasses set the attributes).
+
+    Attributes:
+        _train, _eval: the training and held-out splits.
+        _names, _spaces: per sparse feature, its name and id space.
+        seed: fixes the per-epoch shuffle.
+        shuffle: shuffle the training rows each epoch (a split held in memory).
+    """
+
+    _train: RowSource
+    _eval: RowSource
+    _names: list[str]
+    _spaces: list[int]
+    seed: int
+    shuffle: bool
+
+    @property
+    def feature_names(self) -> list[str]:
+        return self._names
+
+    @property
+    def id_spaces(self) -> list[int]:
+        return self._spaces
+
+    def train_batches(
+        self, *, rank: int, world_size: int, batch_size: int, start_step: int
+    ) -> Iterator[Batch]:
+        return train_batches_of(
+            self._train,
+            self._names,
+            rank=rank,
+            world_size=world_size,
+            batch_size=batch_size,
+            start_step=start_step,
+            seed=self.seed,
+            shuffle=self.shuffle,
+        )
+
+    def eval_batches(self, *, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        return eval_batches_of(
+            self._eval, self._names, rank=rank, world_size=world_size, batch_size=batch_size
+        )

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from recsys.data.block import Block
 from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
 from recsys.data.issues import OnError
-from recsys.data.sources import TextSource
+from recsys.data.row_sources import TextSource
 from recsys.errors import UserError
 
 __all__ = ["criteo_tsv_to_npy", "write_npy"]

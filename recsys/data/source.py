@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from recsys.data.batch import Batch
-from recsys.data.dataset import SpecDataset
 from recsys.data.fetch import default_cache_dir, fetch
 from recsys.data.issues import OnError
 from recsys.data.spec import DATASETS_DIR, DatasetSpec, Format, load_spec, resolve_spec_path
+from recsys.data.spec_dataset import SpecDataset
 from recsys.data.stats import SplitStats
 from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
 from recsys.errors import UserError

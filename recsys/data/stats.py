@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from recsys.data.batch import Batch
-from recsys.data.sources import MemorySource, RowSource
+from recsys.data.row_sources import MemorySource, RowSource
 
 __all__ = ["SplitStats", "constant_logloss", "split_stats_of", "stats_of_source", "stats_of_batches"]
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from recsys.config import RunConfig, config_from_dict
 from recsys.data.batch import Batch
-from recsys.data.dataset import eval_batches_of
+from recsys.data.epochs import eval_batches_of
 from recsys.data.source import Dataset, build_dataset
 from recsys.errors import UserError
 from recsys.serving.bundle import read_bundle

@@ -13,8 +13,8 @@ from recsys.cli import main
 from recsys.data.chunks import count_lines, count_newlines, iter_chunks
 from recsys.data.criteo import CriteoParser, parse_criteo
 from recsys.data.issues import Issues, OnError
+from recsys.data.row_sources import TextSource
 from recsys.data.source import DataConfig, build_dataset
-from recsys.data.sources import TextSource
 from recsys.data.synthetic import SyntheticConfig
 from tests.recsys.data.conftest import criteo_lines, criteo_oracle
 

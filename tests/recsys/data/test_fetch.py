@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from recsys.data.fetch import PackageIndexes, fetch, pip_indexes, redact
+from recsys.data.fetch import fetch
+from recsys.data.package_index import PackageIndexes, pip_indexes, redact
 from recsys.data.spec import DatasetSpec, spec_from_dict
 from recsys.errors import UserError
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from recsys.data.issues import MalformedInputError, OnError
+from recsys.data.row_sources import TextSource
 from recsys.data.source import DataConfig, build_dataset
-from recsys.data.sources import TextSource
 from recsys.data.synthetic import SyntheticConfig
 from recsys.errors import UserError
 from tests.recsys.data.conftest import criteo_lines, criteo_oracle

@@ -17,8 +17,8 @@ import pytest
 
 from recsys.data.block import Block, Jagged
 from recsys.data.issues import MalformedInputError, OnError
+from recsys.data.row_sources import NpySource, TextSource
 from recsys.data.source import DataConfig, build_dataset
-from recsys.data.sources import NpySource, TextSource
 from recsys.data.spec import DenseSpec
 from recsys.data.synthetic import SyntheticConfig
 from recsys.errors import UserError

@@ -13,7 +13,7 @@ from recsys.data.block import Block
 from recsys.data.criteo import CriteoParser
 from recsys.data.issues import Issues, MalformedInputError, OnError
 from recsys.data.parallel import ProcessParsePool
-from recsys.data.sources import TextSource
+from recsys.data.row_sources import TextSource
 from tests.recsys.data.conftest import criteo_lines, criteo_oracle
 
 

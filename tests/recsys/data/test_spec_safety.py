@@ -128,7 +128,7 @@ def _csv_root(tmp_path: Path) -> tuple[Path, Path]:
 
 def _load_from(root: Path, tree: dict):
     spec = spec_from_dict(tree, path=str(root / "spec.toml"))
-    from recsys.data.dataset import SpecDataset
+    from recsys.data.spec_dataset import SpecDataset
 
     return SpecDataset(spec, root=root, seed=0)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from recsys.data.dataset import ArrayDataset
+from recsys.data.array_dataset import ArrayDataset
 from recsys.data.issues import OnError
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.stats import SplitStats, constant_logloss, split_stats_of, stats_of_batches

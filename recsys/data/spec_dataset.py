@@ -1,4 +1,4 @@
-"""Datasets built from a spec (or from arrays): schema, readers and the split.
+"""The dataset a spec describes (``datasets/*.toml``): its schema, its readers and the split.
 
 A spec's rows are read by a row source (streamed text, npy or Parquet, or rows in memory);
 :mod:`recsys.data.split` divides them into training and held-out rows when the split sorts or groups
@@ -11,27 +11,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from recsys.data.batch import Batch
-from recsys.data.block import Block, Jagged
+from recsys.data.block import Block
 from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
-from recsys.data.epochs import eval_batches_of, train_batches_of
+from recsys.data.epochs import SplitDataset
 from recsys.data.fields import split_fields
 from recsys.data.issues import Issues, OnError, Problems
-from recsys.data.sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource
+from recsys.data.row_sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource
 from recsys.data.spec import DatasetSpec, Format, JoinSpec, inside_root, path_problem, quoted
 from recsys.data.split import SplitKeys, check_split_columns, merge_keys, row_keys, split_rows
 from recsys.data.stats import SplitStats, stats_of_source
 from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
 from recsys.errors import UserError
 
-__all__ = ["ArrayDataset", "SpecDataset", "train_batches_of", "eval_batches_of"]
+__all__ = ["SpecDataset"]
 
 log = logging.getLogger("recsys")
 
@@ -64,102 +62,6 @@ class TextParser:
             block, table = block.take(idx), TextTable(fields.keep(idx), self.columns)
         split = self.spec.split
         return block, row_keys(table, order_by=split.order_by, group_by=split.group_by, where=issues.path)
-
-
-class ArrayDataset:
-    """A Dataset over numpy arrays in memory — the quickest way to plug in data from a factory.
-
-    Args:
-        train, eval: the splits as :class:`Block` (or use :meth:`from_arrays`).
-        feature_names, id_spaces: one per sparse feature.
-        seed: fixes the per-epoch shuffle.
-        shuffle: shuffle the training rows each epoch.
-
-    Example:
-        >>> ds = ArrayDataset.from_arrays(
-        ...     dense=np.zeros((100, 2), np.float32), ids={"user": np.arange(100) % 7},
-        ...     labels=np.arange(100) % 2, id_spaces={"user": 7}, eval_fraction=0.2)
-        >>> next(ds.train_batches(rank=0, world_size=1, batch_size=8, start_step=0)).dense.shape
-        torch.Size([8, 2])
-    """
-
-    def __init__(
-        self,
-        train: Block,
-        eval: Block,
-        *,
-        feature_names: list[str],
-        id_spaces: list[int],
-        seed: int = 0,
-        shuffle: bool = True,
-    ) -> None:
-        self._train, self._eval = MemorySource(train), MemorySource(eval)
-        self._names, self._spaces = list(feature_names), list(id_spaces)
-        self.seed, self.shuffle = seed, shuffle
-
-    @classmethod
-    def from_arrays(
-        cls,
-        *,
-        dense: np.ndarray,
-        ids: dict[str, np.ndarray],
-        labels: np.ndarray,
-        id_spaces: dict[str, int],
-        eval_fraction: float = 0.1,
-        seed: int = 0,
-        shuffle: bool = True,
-    ) -> ArrayDataset:
-        """Single-hot ids (N,) per feature; the last ``eval_fraction`` of rows are held out."""
-        n = labels.shape[0]
-        block = Block(
-            np.asarray(dense, np.float32).reshape(n, -1),
-            tuple(Jagged.single(np.asarray(v, np.int64)) for v in ids.values()),
-            np.asarray(labels, np.float32),
-        )
-        cut = n - round(n * eval_fraction)
-        return cls(
-            block.slice(0, cut),
-            block.slice(cut, n),
-            feature_names=list(ids),
-            id_spaces=[id_spaces[k] for k in ids],
-            seed=seed,
-            shuffle=shuffle,
-        )
-
-    @property
-    def feature_names(self) -> list[str]:
-        return self._names
-
-    @property
-    def id_spaces(self) -> list[int]:
-        return self._spaces
-
-    @property
-    def num_dense(self) -> int:
-        return int(self._train.block.dense.shape[1])
-
-    def train_batches(
-        self, *, rank: int, world_size: int, batch_size: int, start_step: int
-    ) -> Iterator[Batch]:
-        return train_batches_of(
-            self._train,
-            self._names,
-            rank=rank,
-            world_size=world_size,
-            batch_size=batch_size,
-            start_step=start_step,
-            seed=self.seed,
-            shuffle=self.shuffle,
-        )
-
-    def eval_batches(self, *, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
-        return eval_batches_of(
-            self._eval, self._names, rank=rank, world_size=world_size, batch_size=batch_size
-        )
-
-    def split_stats(self) -> dict[str, SplitStats]:
-        """Rows and positives of the training and held-out arrays (exact)."""
-        return {"train": stats_of_source(self._train), "eval": stats_of_source(self._eval)}
 
 
 def _expand(root: Path, names: tuple[str, ...], key: str) -> list[Path]:
@@ -195,7 +97,7 @@ def _header(path: Path, delimiter: bytes) -> list[str]:
     return [c.decode("utf-8", "replace").split(":", 1)[0] for c in line.split(delimiter)]
 
 
-class SpecDataset:
+class SpecDataset(SplitDataset):
     """The Dataset a spec describes, over files in ``root``.
 
     Args:
@@ -211,6 +113,7 @@ class SpecDataset:
         self.spec = spec
         self.root = root
         self.seed = seed
+        self.shuffle = spec.split.shuffle
         self.on_error = on_error
         self._sides: list[SideTable] = []
         self._columns: list[str] = []
@@ -250,14 +153,6 @@ class SpecDataset:
                 )
             return names, spaces, probe.num_dense
         return [s.name for s in spec.sparse], [spec.id_space(s) for s in spec.sparse], len(spec.dense)
-
-    @property
-    def feature_names(self) -> list[str]:
-        return self._names
-
-    @property
-    def id_spaces(self) -> list[int]:
-        return self._spaces
 
     @property
     def num_dense(self) -> int:
@@ -398,25 +293,6 @@ class SpecDataset:
         check_split_columns(self.spec.split, where=self.spec.path, columns=columns, sides=self._sides)
 
     # -- the Dataset protocol ---------------------------------------------------------------------
-
-    def train_batches(
-        self, *, rank: int, world_size: int, batch_size: int, start_step: int
-    ) -> Iterator[Batch]:
-        return train_batches_of(
-            self._train,
-            self._names,
-            rank=rank,
-            world_size=world_size,
-            batch_size=batch_size,
-            start_step=start_step,
-            seed=self.seed,
-            shuffle=self.spec.split.shuffle,
-        )
-
-    def eval_batches(self, *, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
-        return eval_batches_of(
-            self._eval, self._names, rank=rank, world_size=world_size, batch_size=batch_size
-        )
 
     def split_stats(self) -> dict[str, SplitStats]:
         """Rows and positives of ``"train"`` and ``"eval"``, counted once and kept.
