@@ -27,11 +27,9 @@ class Stage(enum.StrEnum):
     """
 
     LOAD = "load"  # read and parse a batch of raw ids, dense features and labels (host)
-    H2D = "h2d"  # host-to-device copy of the batch (pinned memory, non_blocking)
     ROUTE = "route"  # key routing: unique ids of tiered tables to their owner rank (all-to-all)
     PREFETCH = "prefetch"  # tier prefetch SSD -> DRAM, announced L batches ahead (lookahead)
     FILL = "fill"  # device fill + remap: rows into slots, ids -> slot ids, pins taken
-    INPUT_DIST = "input_dist"  # TorchRec's input distribution of the remapped KJT
     COMPUTE = "compute"  # forward / backward / optimizer, on the consumer's (main) thread
 
 
