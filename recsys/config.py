@@ -26,8 +26,9 @@ from recsys.data.spec import read_text
 from recsys.data.synthetic import SyntheticConfig
 from recsys.errors import UserError
 from recsys.models import ModelConfig
+from recsys.pipeline_config import PipelineSection
 from recsys.sparse import SparseConfig
-from recsys.store_config import PipelineSection, StoreSection
+from recsys.store_config import StoreSection
 from recsys.train_config import EvalConfig, TrainConfig
 
 __all__ = ["ConfigError", "RunConfig", "config_from_dict", "config_to_dict", "load_config", "parse_override"]
