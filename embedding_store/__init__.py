@@ -17,6 +17,8 @@ Tiers (highest first; the highest tier holding a row holds its latest value, tie
   The map grows on demand up to an optional cap; a full map/disk raises StoreFullError with nothing
   half-written; ``tierrec.lock`` (flock) refuses a second opener with StoreLockedError.
 
+Snapshots are written by ``TieredStore.snapshot`` and read or restored by :mod:`embedding_store.snapshot`.
+
 Batch API. Threading contract: every method may be called from any thread; calls serialise on one
 store lock, except that ``prefetch`` drops it during its LMDB read (so batch i+2's SSD read overlaps
 batch i's step); a background writer thread commits evicted rows and never takes the store lock; its
@@ -67,23 +69,18 @@ from embedding_store.stats import StoreStats, TierStats
 if TYPE_CHECKING:
     from embedding_store.init import init_rows
     from embedding_store.lmdb_backend import scan_snapshot
-    from embedding_store.store import (
-        RowChunk,
-        TieredStore,
-        restore_resharded,
-        restore_snapshot,
-        snapshot_chunks,
-    )
+    from embedding_store.rows import RowChunk
+    from embedding_store.snapshot import restore_resharded, restore_snapshot, snapshot_chunks
+    from embedding_store.store import TieredStore
 
 # Loaded on first use, so that importing a light module of the package (its config, errors or the
 # hashing leaf) does not load torch and LMDB: name -> the module that defines it.
 _LAZY = {
     "init_rows": "embedding_store.init",
     "scan_snapshot": "embedding_store.lmdb_backend",
-    **dict.fromkeys(
-        ("RowChunk", "TieredStore", "restore_resharded", "restore_snapshot", "snapshot_chunks"),
-        "embedding_store.store",
-    ),
+    "RowChunk": "embedding_store.rows",
+    **dict.fromkeys(("restore_resharded", "restore_snapshot", "snapshot_chunks"), "embedding_store.snapshot"),
+    "TieredStore": "embedding_store.store",
 }
 
 

@@ -17,44 +17,31 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from embedding_store.config import MAX_ID, StoreConfig, TableSpec, Tier
-from embedding_store.errors import StoreClosedError, StoreError
-from embedding_store.lmdb_backend import LmdbBackend, scan_snapshot
+from embedding_store.errors import StoreClosedError
+from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.lockfile import DirectoryLock
+from embedding_store.rows import RowChunk, row_chunk
+from embedding_store.snapshot import publish_snapshot
 from embedding_store.stats import StoreStats, TierStats
 from embedding_store.tiered_table import PrefetchPlan, TieredTable
 from embedding_store.tiers import FutureIds
 from embedding_store.writer import WriteBehind
 
-__all__ = ["RowChunk", "TieredStore", "restore_resharded", "restore_snapshot", "snapshot_chunks"]
+__all__ = ["TieredStore"]
 
 # Union-of-future-ids sets kept (per table and window): enough for the stages working on different windows.
 _FUTURE_CACHE_ENTRIES = 8
 
 IdsLike = torch.Tensor | np.ndarray
-
-
-class RowChunk(NamedTuple):
-    """Rows of one table in ascending id order.
-
-    Attributes:
-        ids: (n,) int64.
-        weights: (n, D) float32.
-        state: optimizer state, (n,) for EXACT_ROWWISE_ADAGRAD, (n, D) for EXACT_ADAGRAD, None for EXACT_SGD.
-    """
-
-    ids: torch.Tensor
-    weights: torch.Tensor
-    state: torch.Tensor | None
 
 
 def _as_ids(ids: IdsLike) -> np.ndarray:
@@ -342,7 +329,7 @@ class TieredStore:
             t = self._table(table)
             arr = _as_ids(ids)
             t.check_ids(arr)
-            return _chunk(t.spec, arr, t.read_latest(arr))
+            return row_chunk(t.spec, arr, t.read_latest(arr))
 
     def iter_rows(self, table: str, *, chunk_rows: int = 1 << 16) -> Iterator[RowChunk]:
         """Stream every row that exists on any tier of ``table``, ascending ids, at most ``chunk_rows``
@@ -376,7 +363,7 @@ class TieredStore:
                 if up.shape[0]:
                     rows[np.searchsorted(ids, up)] = t.read_latest(up)
             if ids.shape[0]:
-                yield _chunk(t.spec, ids, rows)
+                yield row_chunk(t.spec, ids, rows)
             if disk_done and u_end == upper.shape[0]:
                 return
             last, u_pos = high, u_end
@@ -411,8 +398,7 @@ class TieredStore:
             tmp.mkdir(parents=True)
             try:
                 self._backend.copy_to(tmp)
-                _fsync(tmp / "data.mdb")
-                _publish(tmp, dest)
+                publish_snapshot(tmp, dest)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -471,92 +457,3 @@ class TieredStore:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close(flush=exc_type is None)
-
-
-def snapshot_chunks(path: str | os.PathLike[str], spec: TableSpec, *, seed: int) -> Iterator[RowChunk]:
-    """``spec``'s rows in a store snapshot, read-only, ascending ids, as RowChunks (weights, state)."""
-    for ids, rows in scan_snapshot(Path(path), spec, seed=seed):
-        yield _chunk(spec, ids, rows)
-
-
-def _chunk(spec: TableSpec, ids: np.ndarray, rows: np.ndarray) -> RowChunk:
-    rows_t = torch.from_numpy(np.ascontiguousarray(rows))  # (n, R)
-    weights = rows_t[:, : spec.dim]  # (n, D)
-    state: torch.Tensor | None = None
-    if spec.state_floats == 1:
-        state = rows_t[:, spec.dim]  # (n,)
-    elif spec.state_floats:
-        state = rows_t[:, spec.dim :]  # (n, D)
-    return RowChunk(torch.from_numpy(np.ascontiguousarray(ids)), weights, state)
-
-
-def _fsync(path: Path) -> None:
-    """fsync a file, or a folder (which makes the renames and new entries inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """fsync ``tmp`` (a file, or a folder whose files are fsynced), rename it to ``final``, fsync the parent."""
-    _fsync(tmp)
-    tmp.rename(final)
-    _fsync(final.parent)
-
-
-def restore_snapshot(snapshot: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
-    """Copy a snapshot written by ``TieredStore.snapshot`` into ``path``, which must hold no store.
-
-    The copy is written under a temporary name, fsynced and renamed: no partial ``data.mdb`` ever opens.
-    """
-    src, dst = Path(snapshot), Path(path)
-    if not (src / "data.mdb").is_file():
-        raise StoreError(f"{src} is not a store snapshot (no data.mdb)")
-    if (dst / "data.mdb").exists():
-        raise StoreError(f"{dst} already holds a store; restore into an empty directory")
-    dst.mkdir(parents=True, exist_ok=True)
-    tmp = dst / ".data.mdb.tmp"
-    try:
-        shutil.copyfile(src / "data.mdb", tmp)
-        _publish(tmp, dst / "data.mdb")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def restore_resharded(
-    snapshots: Sequence[str | os.PathLike[str]],
-    path: str | os.PathLike[str],
-    *,
-    config: StoreConfig,
-    tables: Sequence[TableSpec],
-    keep: Callable[[str, np.ndarray], np.ndarray],
-    chunk_rows: int = 1 << 16,
-) -> int:
-    """Build a store in ``path`` (which must hold none) from the snapshots of another partition of the rows.
-
-    Every snapshot is streamed table by table in chunks of ``chunk_rows`` (read-only); the rows of
-    ``tables`` whose ids ``keep(table, ids)`` ((n,) int64 -> (n,) bool) accepts are written to the new
-    store. Memory stays near one chunk. Open the result with ``TieredStore(path, config=config,
-    tables=tables)``. Returns the number of rows written.
-    """
-    dst = Path(path)
-    if (dst / "data.mdb").exists():
-        raise StoreError(f"{dst} already holds a store; restore into an empty directory")
-    dst.mkdir(parents=True, exist_ok=True)
-    backend = LmdbBackend(dst, options=config.lmdb, seed=config.seed, tables=tables)
-    written = 0
-    try:
-        for snapshot in snapshots:
-            for spec in tables:
-                for ids, rows in scan_snapshot(Path(snapshot), spec, seed=config.seed, chunk_rows=chunk_rows):
-                    mask = keep(spec.name, ids)
-                    if mask.any():
-                        backend.put_rows([(spec.name, ids[mask], rows[mask])])
-                        written += int(mask.sum())
-        backend.sync()
-    finally:
-        backend.close()
-    return written

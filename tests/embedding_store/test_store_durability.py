@@ -144,7 +144,7 @@ def _trained_store(path: Path) -> TieredStore:
 
 
 def test_snapshot_is_written_under_a_temporary_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import embedding_store.store as store_module
+    import embedding_store.snapshot as snapshot_module
     from embedding_store.lmdb_backend import LmdbBackend
 
     store = _trained_store(tmp_path / "store")
@@ -165,13 +165,13 @@ def test_snapshot_is_written_under_a_temporary_name(tmp_path: Path, monkeypatch:
     tmp.mkdir()  # left by a snapshot that was killed: replaced, never published
     (tmp / "stale").write_bytes(b"x")
     synced: list[tuple[Path, bool]] = []
-    real_fsync = store_module._fsync
+    real_fsync = snapshot_module.fsync
 
     def fsync(path: Path) -> None:
         synced.append((path, dest.exists()))
         real_fsync(path)
 
-    monkeypatch.setattr(store_module, "_fsync", fsync)
+    monkeypatch.setattr(snapshot_module, "fsync", fsync)
     store.snapshot(dest)
     # data.mdb and the temporary folder are durable before the rename, the parent after it
     assert synced == [(tmp / "data.mdb", False), (tmp, False), (dest.parent, True)]
