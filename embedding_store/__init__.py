@@ -17,7 +17,12 @@ Tiers (highest first; the highest tier holding a row holds its latest value, tie
   The map grows on demand up to an optional cap; a full map/disk raises StoreFullError with nothing
   half-written; ``tierrec.lock`` (flock) refuses a second opener with StoreLockedError.
 
-Snapshots are written by ``TieredStore.snapshot`` and read or restored by :mod:`embedding_store.snapshot`.
+Lifecycle of a job's shard (:class:`ShardDirectory`): one lock beside the directory (``rank_r.lock`` for
+``rank_r/``), taken before the directory is deleted and held until close, covers opening it fresh, from a
+snapshot or re-partitioned (``open_fresh`` / ``open_snapshot`` / ``open_resharded``); the store opened
+there takes no ``tierrec.lock``. Snapshots are written by ``TieredStore.snapshot`` and read or restored
+by :mod:`embedding_store.snapshot`. :func:`num_embeddings_for` picks a table's index from its id space
+(dense up to 2^26 ids, hashed above).
 
 Batch API. Threading contract: every method may be called from any thread; calls serialise on one
 store lock, except that ``prefetch`` drops it during its LMDB read (so batch i+2's SSD read overlaps
@@ -67,9 +72,11 @@ from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats, TierStats
 
 if TYPE_CHECKING:
+    from embedding_store.index import num_embeddings_for
     from embedding_store.init import init_rows
     from embedding_store.lmdb_backend import scan_snapshot
     from embedding_store.rows import RowChunk
+    from embedding_store.shard import ShardDirectory
     from embedding_store.snapshot import restore_resharded, restore_snapshot, snapshot_chunks
     from embedding_store.store import TieredStore
 
@@ -77,8 +84,10 @@ if TYPE_CHECKING:
 # hashing leaf) does not load torch and LMDB: name -> the module that defines it.
 _LAZY = {
     "init_rows": "embedding_store.init",
+    "num_embeddings_for": "embedding_store.index",
     "scan_snapshot": "embedding_store.lmdb_backend",
     "RowChunk": "embedding_store.rows",
+    "ShardDirectory": "embedding_store.shard",
     **dict.fromkeys(("restore_resharded", "restore_snapshot", "snapshot_chunks"), "embedding_store.snapshot"),
     "TieredStore": "embedding_store.store",
 }
@@ -100,6 +109,7 @@ __all__ = [
     "OptimizerKind",
     "PolicyKind",
     "RowChunk",
+    "ShardDirectory",
     "StoreCapacityError",
     "StoreClosedError",
     "StoreConfig",
@@ -114,6 +124,7 @@ __all__ = [
     "TierStats",
     "TieredStore",
     "init_rows",
+    "num_embeddings_for",
     "restore_resharded",
     "restore_snapshot",
     "scan_snapshot",

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["DenseIdMap", "HashIdMap", "IdMap", "make_id_map"]
+__all__ = ["DenseIdMap", "HashIdMap", "IdMap", "make_id_map", "num_embeddings_for"]
 
 _EMPTY = -1
 _TOMB = -2
@@ -178,3 +178,12 @@ def make_id_map(num_embeddings: int | None, max_entries: int) -> DenseIdMap | Ha
     if num_embeddings is not None and num_embeddings <= max(_DENSE_MAX_IDS, 4 * max_entries):
         return DenseIdMap(num_embeddings)
     return HashIdMap(max_entries)
+
+
+def num_embeddings_for(id_space: int) -> int | None:
+    """``TableSpec.num_embeddings`` for a table whose ids lie in ``[0, id_space)``.
+
+    The id space itself while a dense index covers it (up to 2^26 ids: one gather per lookup, ids
+    outside it refused), None above that: raw int64 ids in the hash index.
+    """
+    return id_space if id_space <= _DENSE_MAX_IDS else None

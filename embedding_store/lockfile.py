@@ -36,12 +36,14 @@ class DirectoryLock:
     Args:
         path: the directory (must exist).
         name: the lock file's name inside it.
+        guards: what the lock guards, named in the refusal (default: ``path`` for the store's own
+            ``tierrec.lock``, else the lock file).
 
     Raises:
         StoreLockedError: another process or open handle holds it; the message names the holder's pid.
     """
 
-    def __init__(self, path: Path, *, name: str = LOCK_NAME) -> None:
+    def __init__(self, path: Path, *, name: str = LOCK_NAME, guards: Path | None = None) -> None:
         self._file = path / name
         self._fd: int | None = os.open(self._file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -50,12 +52,17 @@ class DirectoryLock:
             holder = _holder(self._fd)
             os.close(self._fd)
             self._fd = None
-            target = path if name == LOCK_NAME else self._file
+            target = guards or (path if name == LOCK_NAME else self._file)
             locked = StoreLockedError(f"store {target} is in use by process {holder}")
             locked.holder = holder
             raise locked from err
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    @property
+    def held(self) -> bool:
+        """Whether this handle still holds the lock."""
+        return self._fd is not None
 
     def release(self) -> None:
         """Release the lock (idempotent)."""

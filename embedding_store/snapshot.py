@@ -3,7 +3,8 @@
 A snapshot (written by :meth:`embedding_store.TieredStore.snapshot`) is a directory holding one compacted
 ``data.mdb``. It is restored as it is (:func:`restore_snapshot`), or re-partitioned: every snapshot of
 another partition of the rows streamed into a new store that keeps the rows its owner accepts
-(:func:`restore_resharded`). Both write into a directory that holds no store yet.
+(:func:`restore_resharded`). Both write into a directory that holds no store yet; to replace a live one
+under its lock, use :class:`embedding_store.ShardDirectory`.
 """
 
 from __future__ import annotations

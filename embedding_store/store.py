@@ -78,6 +78,8 @@ class TieredStore:
             ``tierrec.lock``, which one process at a time may hold.
         config: seed, capacities, policy, LMDB options.
         tables: the tiered tables of this shard.
+        lock: a lock the caller holds that already guards ``path`` (a :class:`ShardDirectory`'s, beside
+            the directory); the store then takes no ``tierrec.lock`` and leaves this one to its holder.
 
     Raises:
         StoreLockedError: another process (or handle) has the store open.
@@ -96,19 +98,27 @@ class TieredStore:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, config: StoreConfig, tables: Sequence[TableSpec]
+        self,
+        path: str | os.PathLike[str],
+        *,
+        config: StoreConfig,
+        tables: Sequence[TableSpec],
+        lock: DirectoryLock | None = None,
     ) -> None:
         names = [t.name for t in tables]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"tables must be a non-empty list of distinct names, got {names}")
+        if lock is not None and not lock.held:
+            raise ValueError("lock must be held by the caller (it was released)")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.config = config
-        self._dir_lock = DirectoryLock(self.path)
+        # Only a lock of its own is the store's to release; a caller's covers more than the store's life.
+        self._dir_lock = DirectoryLock(self.path) if lock is None else None
         try:
             self._backend = LmdbBackend(self.path, options=config.lmdb, seed=config.seed, tables=tables)
         except BaseException:
-            self._dir_lock.release()
+            self._release_dir_lock()
             raise
         self._writer = WriteBehind(
             self._backend,
@@ -448,7 +458,11 @@ class TieredStore:
                     self._writer.close()
                 finally:
                     self._backend.close()
-                    self._dir_lock.release()
+                    self._release_dir_lock()
+
+    def _release_dir_lock(self) -> None:
+        if self._dir_lock is not None:
+            self._dir_lock.release()
 
     def __enter__(self) -> TieredStore:
         return self

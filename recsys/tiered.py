@@ -14,12 +14,12 @@ row-wise: ``device_rows`` slots on every rank). Before TorchRec sees a batch its
    sends each lookup back to its owner — and the rank rewrites its KJT values.
 
 After the batch's backward the owner releases its pins (:meth:`release`). Rows keep their optimizer
-state in the store, so training is bitwise identical to the untiered model.
+state in the store, so training is bitwise identical to the untiered model. The store's directory, its
+lock and its restores belong to :class:`embedding_store.ShardDirectory`.
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,17 +32,16 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store import (
-    DirectoryLock,
     LmdbOptions,
     OptimizerKind,
     PolicyKind,
+    ShardDirectory,
     StoreConfig,
     StoreLockedError,
     TableSpec,
     Tier,
     TieredStore,
-    restore_resharded,
-    restore_snapshot,
+    num_embeddings_for,
     snapshot_chunks,
 )
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
@@ -61,8 +60,6 @@ _OPTIMIZER = {
     SparseOptimizer.EXACT_ROWWISE_ADAGRAD: OptimizerKind.EXACT_ROWWISE_ADAGRAD,
 }
 TRAIN, EVAL = "train", "eval"
-# Id spaces up to this size use a dense id -> slot array (one gather per lookup) instead of a hash map.
-DENSE_INDEX_MAX_IDS = 1 << 26
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # as int64, for wrapping torch multiplies
 _M2 = 0x94D049BB133111EB - (1 << 64)
 
@@ -119,10 +116,11 @@ class TieredTables:
     Args:
         dmp: the sharded model; the local shards of the tiered slot tables are bound to the store.
         tables: every table config of the model (tiered ones have ``num_embeddings`` = slot capacity).
-        tiered: the tiered tables (one feature each, ``t_<feature>``) with their id spaces; a small id
-            space gets the store's dense id -> slot index, a large one its hash index.
+        tiered: the tiered tables (one feature each, ``t_<feature>``) with their id spaces, from which
+            the store picks each table's index (``embedding_store.num_embeddings_for``).
         settings: ``(store section, sparse section, seed)``.
-        path: this job's store directory; rank r keeps its LMDB in ``path/rank_r``.
+        path: this job's store directory; rank r keeps its LMDB in ``path/rank_r``, locked by
+            ``path/rank_r.lock`` from here until :meth:`close`.
     """
 
     def __init__(
@@ -156,7 +154,7 @@ class TieredTables:
         self.table_owner = {name: r for r, names in enumerate(owners) for name in names}
         self.path = path / f"rank_{self.rank}"
         self.store: TieredStore | None = None
-        self._lock = self._lock_store(path)
+        self._shard = self._claim_shard(path)
         if shards:
             features = [self.feature[n] for n in self.names]  # all tiered tables, owned here or not
             dims = {configs[n].embedding_dim for n in shards}
@@ -167,7 +165,7 @@ class TieredTables:
                     dim=configs[name].embedding_dim,
                     optimizer=_OPTIMIZER[sparse.optimizer],
                     init_scale=sparse.init_scale,
-                    num_embeddings=tiered[name] if tiered[name] <= DENSE_INDEX_MAX_IDS else None,
+                    num_embeddings=num_embeddings_for(tiered[name]),
                     device_capacity_rows=shards[name].weight.shape[0],
                     host_capacity_rows=capacities[self.feature[name]][1],
                 )
@@ -188,17 +186,16 @@ class TieredTables:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    def _lock_store(self, root: Path) -> DirectoryLock:
-        """Lock ``root/rank_r.lock`` before anything touches ``root/rank_r`` (collective).
+    def _claim_shard(self, root: Path) -> ShardDirectory:
+        """Claim ``root/rank_r`` (its lock) before anything touches it (collective).
 
         ``open`` replaces the rank's store directory, so a second job pointed at a store in use must be
-        refused before that: every rank tries its lock and all of them fail with the first refusal.
+        refused before that: every rank claims its shard and all of them fail with the first refusal.
         """
-        lock: DirectoryLock | None = None
+        shard: ShardDirectory | None = None
         refusal = None
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            lock = DirectoryLock(root, name=f"rank_{self.rank}.lock")
+            shard = ShardDirectory(self.path)
         except StoreLockedError as err:
             refusal = (
                 f"store {self.path} is in use by process {err.holder} (another training run?); "
@@ -212,11 +209,11 @@ class TieredTables:
             dist.all_gather_object(refusals, refusal)
         first = next((r for r in refusals if r is not None), None)
         if first is not None:
-            if lock is not None:
-                lock.release()
+            if shard is not None:
+                shard.close()
             raise UserError(first)
-        assert lock is not None
-        return lock
+        assert shard is not None
+        return shard
 
     def open(self, *, snapshot: Path | None = None, reshard_from: list[Path] | None = None) -> None:
         """Open this rank's store: empty for a fresh run, restored from this rank's ``snapshot`` in a
@@ -224,13 +221,12 @@ class TieredTables:
         ranks) rebuilt from the rows this rank owns now, streamed in chunks."""
         if not hasattr(self, "_store_args"):
             return
-        if self.path.exists():
-            shutil.rmtree(self.path)
         if snapshot is not None:
-            restore_snapshot(snapshot, self.path)
+            self.store = self._shard.open_snapshot(snapshot, **self._store_args)
         elif reshard_from is not None:
-            restore_resharded(reshard_from, self.path, keep=self._owns, **self._store_args)
-        self.store = TieredStore(self.path, **self._store_args)
+            self.store = self._shard.open_resharded(reshard_from, keep=self._owns, **self._store_args)
+        else:
+            self.store = self._shard.open_fresh(**self._store_args)
         for name, shard in self._shards.items():
             # `.data`: the fill stage writes slots of later batches while autograd holds the table for the
             # current batch's backward. Those rows are disjoint from the current batch's (pins), so the
@@ -246,12 +242,8 @@ class TieredTables:
 
     def close(self, *, flush: bool = True) -> None:
         """Close the store (flushing it, unless ``flush=False`` after a failure) and release the lock."""
-        try:
-            if self.store is not None:
-                store, self.store = self.store, None
-                store.close(flush=flush)
-        finally:
-            self._lock.release()
+        self.store = None
+        self._shard.close(flush=flush)
 
     def snapshot(self, dest: Path) -> list[Path]:
         """Flush and copy this rank's store into ``dest`` (part of a checkpoint); returns what it wrote."""
