@@ -26,11 +26,12 @@ import time
 import numpy as np
 import torch
 
+from embedding_store import PolicyKind
 from recsys.config import config_from_dict
 from recsys.tune import tuner
 from recsys.tune.curves import capacity_grid, lru_curve
 from recsys.tune.replay import replay
-from recsys.tune.trace import Policy, prepare, simulate
+from recsys.tune.trace import prepare, simulate
 
 TARGET_S = 60.0
 
@@ -93,9 +94,9 @@ def main() -> None:
     look_err = []
     start = time.perf_counter()
     for cap in look_caps:
-        full = simulate(trace, cap, policy=Policy.LOOKAHEAD, lookahead=4, prepared=full_prep).hit_rate
+        full = simulate(trace, cap, policy=PolicyKind.LOOKAHEAD, lookahead=4, prepared=full_prep).hit_rate
         approx = simulate(
-            sample, max(1, round(cap * rate)), policy=Policy.LOOKAHEAD, lookahead=4, prepared=samp_prep
+            sample, max(1, round(cap * rate)), policy=PolicyKind.LOOKAHEAD, lookahead=4, prepared=samp_prep
         ).hit_rate
         look_err.append(abs(full - approx))
     exact_look_s = time.perf_counter() - start

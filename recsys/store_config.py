@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from embedding_store import PolicyKind
 from recsys.errors import UserError
 
 # Transitional, not part of this module: recsys/tiered.py imports PipelineSection from here until its
@@ -15,7 +15,6 @@ from recsys.errors import UserError
 from recsys.pipeline_config import PipelineSection  # noqa: F401
 
 __all__ = [
-    "EvictionPolicy",
     "StoreSection",
     "TableCapacity",
     "load_tune",
@@ -81,12 +80,6 @@ class TableCapacity:
                 raise ValueError(f"{name} must be >= {1 if name == 'device' else 0} rows, got {value}")
 
 
-class EvictionPolicy(enum.Enum):
-    LOOKAHEAD = "lookahead"  # unannounced rows first (LRU among them), then the furthest next use
-    LRU = "lru"
-    LFU = "lfu"
-
-
 @dataclass(kw_only=True, frozen=True, slots=True)
 class StoreSection:
     """Tiered embedding tables (section ``[store]``).
@@ -98,7 +91,8 @@ class StoreSection:
         device_rows: slots per tiered table on each rank that owns (a part of) it; they must hold the
             distinct ids of the batches in flight (three with TorchRec's pipeline) plus evaluation.
         host_rows: host-DRAM rows per tiered table per owning rank (0: no host tier).
-        policy: eviction policy of both caches.
+        policy: eviction policy of both caches (``embedding_store.PolicyKind``): ``lookahead``, ``lru`` or
+            ``lfu``.
         lookahead: batches whose ids are announced ahead of use (LOOKAHEAD protects their rows and the
             prefetcher reads them from LMDB early).
         path: store directory (default: ``<run directory>/store``); one LMDB environment per rank.
@@ -116,7 +110,7 @@ class StoreSection:
     tables: tuple[str, ...] = ()
     device_rows: int = 16_384
     host_rows: int = 65_536
-    policy: EvictionPolicy = EvictionPolicy.LOOKAHEAD
+    policy: PolicyKind = PolicyKind.LOOKAHEAD
     lookahead: int = 4
     path: str = ""
     capacity: dict[str, TableCapacity] = field(default_factory=dict)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recsys.tune.trace import BIG, CapacityTooSmall, Policy, Trace, min_capacity, prepare, simulate
+from recsys.tune.trace import BIG, CapacityTooSmall, SimPolicy, Trace, min_capacity, prepare, simulate
 
 __all__ = ["Curve", "lru_stack_distances", "lru_curve", "policy_curve", "capacity_grid"]
 
@@ -130,7 +130,7 @@ def policy_curve(
     trace: Trace,
     capacities: np.ndarray,
     *,
-    policy: Policy,
+    policy: SimPolicy,
     lookahead: int,
     pinned_batches: int,
     prepared: tuple[np.ndarray, np.ndarray] | None = None,

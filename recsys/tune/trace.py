@@ -18,21 +18,37 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 
+from embedding_store import PolicyKind
 from embedding_store.hashing import mix64
 
-__all__ = ["Policy", "SimResult", "Trace", "TraceBuilder", "belady_hits", "min_capacity", "simulate"]
+__all__ = [
+    "BELADY",
+    "SIM_POLICIES",
+    "Belady",
+    "SimPolicy",
+    "SimResult",
+    "Trace",
+    "TraceBuilder",
+    "belady_hits",
+    "min_capacity",
+    "simulate",
+]
 
 
-class Policy(enum.Enum):
-    """Replacement policies the tuner evaluates; the first three are the store's own."""
+class Belady(enum.Enum):
+    """Belady's MIN: the offline optimum with the store's pins, the tuner's upper bound (no store policy)."""
 
-    LRU = "lru"
-    LFU = "lfu"
-    LOOKAHEAD = "lookahead"
-    BELADY = "belady"  # offline optimum (MIN) with the same pins: the upper bound
+    BELADY = "belady"
+
+
+BELADY = Belady.BELADY
+# What simulate() replays: one of the store's own eviction policies, or Belady's MIN.
+SimPolicy: TypeAlias = PolicyKind | Belady
+SIM_POLICIES: tuple[SimPolicy, ...] = (*PolicyKind, BELADY)  # what the tuner draws curves of, in order
 
 
 @dataclass(frozen=True)
@@ -248,7 +264,7 @@ def simulate(
     trace: Trace,
     capacity: int,
     *,
-    policy: Policy,
+    policy: SimPolicy,
     lookahead: int = 0,
     pinned_batches: int = 4,
     prepared: tuple[np.ndarray, np.ndarray] | None = None,
@@ -277,7 +293,7 @@ def simulate(
     buf = np.empty(capacity, dtype=np.int64)  # buf[:filled]: the resident ids, by position
     pos_of = np.zeros(u, dtype=np.int64)  # position of each resident id in buf
     filled = 0  # positions in use; evicted positions are refilled by the same batch
-    lazy = _LazyOrder() if policy in (Policy.LRU, Policy.LOOKAHEAD) else None
+    lazy = _LazyOrder() if policy in (PolicyKind.LRU, PolicyKind.LOOKAHEAD) else None
     held_of = trace.held_batches(pinned_batches)
     hits = requests = miss_rows = 0.0
     peak = 0
@@ -299,7 +315,7 @@ def simulate(
         need = filled + new.shape[0] - capacity
         if need > 0:
             last_use[ids] = BIG  # the batch's own rows are pinned
-            depth = lookahead if train and policy is Policy.LOOKAHEAD else 0
+            depth = lookahead if train and policy is PolicyKind.LOOKAHEAD else 0
             floor = k - 1 - int(held_of[b])  # rows last used in training after this batch are pinned
             victims = None
             if lazy is not None:
@@ -331,7 +347,7 @@ def simulate(
         if train:
             last_train[ids] = k
             k += 1
-        nxt[ids] = (next_any if policy is Policy.BELADY else next_train)[lo:hi]
+        nxt[ids] = (next_any if policy is BELADY else next_train)[lo:hi]
     return SimResult(
         hits=hits,
         requests=requests,
@@ -408,7 +424,7 @@ class _LazyOrder:
 
 
 def _key(
-    policy: Policy,
+    policy: SimPolicy,
     cand: np.ndarray,
     last_use: np.ndarray,
     count: np.ndarray,
@@ -417,11 +433,11 @@ def _key(
     lookahead: int,
 ) -> np.ndarray:
     """Eviction order of the candidates: smaller goes first (the store's sort keys)."""
-    if policy is Policy.LRU:
+    if policy is PolicyKind.LRU:
         return last_use[cand]
-    if policy is Policy.LFU:
+    if policy is PolicyKind.LFU:
         return np.minimum(count[cand], (1 << 22) - 1) * _TICK + last_use[cand]
-    if policy is Policy.BELADY:
+    if policy is BELADY:
         return -nxt[cand]
     dist = nxt[cand] - k  # training batches from the one being filled to the next use
     needed = (dist >= 1) & (dist <= lookahead)
@@ -439,7 +455,7 @@ def belady_hits(batches: list[np.ndarray], capacity: int, pinned_batches: int) -
     """Belady's MIN over per-batch distinct ids of one table, every batch a training batch: (hits, misses).
 
     Batch i needs all of its ids resident at once; the rows of the ``pinned_batches - 1`` batches before
-    it are pinned. A shorthand for :func:`simulate` with ``Policy.BELADY`` (used by
+    it are pinned. A shorthand for :func:`simulate` with ``BELADY`` (used by
     ``benchmarks/bench_pipeline.py``).
 
     Raises:
@@ -448,5 +464,5 @@ def belady_hits(batches: list[np.ndarray], capacity: int, pinned_batches: int) -
     builder = TraceBuilder()
     for ids in batches:
         builder.add(ids, np.ones(ids.shape[0], np.int64), train=True)
-    res = simulate(builder.build(), capacity, policy=Policy.BELADY, pinned_batches=pinned_batches)
+    res = simulate(builder.build(), capacity, policy=BELADY, pinned_batches=pinned_batches)
     return int(res.hits), int(res.requests - res.hits)

@@ -30,7 +30,7 @@ from recsys.tiered import row_bytes
 from recsys.tune.curves import capacity_grid, lru_curve, policy_curve
 from recsys.tune.replay import Replay, replay
 from recsys.tune.split import split_budget
-from recsys.tune.trace import Policy, Trace, min_capacity, prepare, simulate
+from recsys.tune.trace import SIM_POLICIES, SimPolicy, Trace, min_capacity, prepare, simulate
 
 __all__ = ["TuneResult", "min_device_rows", "min_device_rows_by_feature", "tune", "SAMPLE_ABOVE_ACCESSES"]
 
@@ -60,10 +60,10 @@ class _Table:
     row_bytes: int
     owners: int
     pinned: int  # training batches in flight at a fill (recsys.tune.replay.batches_in_flight)
-    memo: dict[tuple[int, Policy, int], tuple[float, float, float, float]] = field(default_factory=dict)
-    per_batch: dict[tuple[int, Policy, int], list[np.ndarray]] = field(default_factory=dict)
+    memo: dict[tuple[int, SimPolicy, int], tuple[float, float, float, float]] = field(default_factory=dict)
+    per_batch: dict[tuple[int, SimPolicy, int], list[np.ndarray]] = field(default_factory=dict)
 
-    def run(self, capacity: int, policy: Policy, lookahead: int) -> tuple[float, float, float, float]:
+    def run(self, capacity: int, policy: SimPolicy, lookahead: int) -> tuple[float, float, float, float]:
         """(weighted hits, weighted requests, rows filled per training batch, the most rows one batch
         filled on one owner) over the owners."""
         key = (capacity, policy, lookahead)
@@ -89,7 +89,7 @@ class _Table:
         self.memo[key] = (hits, requests, fills, peak)
         return self.memo[key]
 
-    def overflow(self, capacity: int, host_rows: int, policy: Policy, lookahead: int) -> float:
+    def overflow(self, capacity: int, host_rows: int, policy: SimPolicy, lookahead: int) -> float:
         """Rows per training batch read twice: the prefetcher reads a batch's rows that no tier holds into
         the host tier, which keeps at most ``host_rows`` of them; the fill reads the rest again. The rows
         it reads are the misses of the device + host cache (``capacity`` rows)."""
@@ -97,7 +97,7 @@ class _Table:
         parts = self.per_batch[(capacity, policy, lookahead)]
         return sum(float(np.maximum(m - host_rows, 0).sum()) / max(1, m.shape[0]) for m in parts)
 
-    def curves(self, grid: np.ndarray, policy: Policy, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
+    def curves(self, grid: np.ndarray, policy: SimPolicy, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
         """(hit rates, rows filled per training batch) of ``policy`` at ``grid``, summed over owners."""
         hit_sum = np.zeros(grid.shape[0])
         req_sum = 0.0
@@ -192,7 +192,7 @@ def tune(
             or the config has no tiered tables.
     """
     rep: Replay = replay(config, batches=batches)
-    policy = Policy(config.store.policy.value)
+    policy = config.store.policy
     lookahead = config.store.lookahead if config.pipeline.mode is PipelineMode.PIPELINED else 0
     rbytes = row_bytes(config.sparse, config.model.table_dim)
     tables: list[_Table] = []
@@ -233,7 +233,7 @@ def tune(
         _, fine_fills = t.curves(fine, policy, lookahead)
         fills_of[t.name] = (fine, fine_fills)
         entry: dict[str, list[float]] = {"capacity": grid.tolist()}
-        for p in Policy:
+        for p in SIM_POLICIES:
             rates, _ = t.curves(grid, p, lookahead)
             entry[p.value] = rates.tolist()
         entry["lru_stack"] = t.lru_stack(grid).tolist()

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_store import OptimizerKind, StoreCapacityError, StoreConfig, TableSpec, TieredStore
+from embedding_store import OptimizerKind, PolicyKind, StoreCapacityError, StoreConfig, TableSpec, TieredStore
 from recsys.config import config_from_dict
 from recsys.tune.replay import batches_in_flight, replay
-from recsys.tune.trace import CapacityTooSmall, Policy, Trace, TraceBuilder, min_capacity, simulate
+from recsys.tune.trace import SIM_POLICIES, CapacityTooSmall, Trace, TraceBuilder, min_capacity, simulate
 from recsys.tune.tuner import min_device_rows, min_device_rows_by_feature, tune
 from tests.multiprocess import run_ranks
 
@@ -91,10 +91,10 @@ def test_minimum_with_evaluations_beside_some_batches_equals_brute_force_and_is_
         trace = _random_trace(seed, pinned)
         floor = min_capacity(trace, pinned_batches=pinned)
         assert floor == _brute_force_min(trace, pinned)
-        for policy in Policy:  # the simulated store runs the whole trace with that many rows...
+        for policy in SIM_POLICIES:  # the simulated store runs the whole trace with that many rows...
             simulate(trace, floor, policy=policy, lookahead=2, pinned_batches=pinned)
         with pytest.raises(CapacityTooSmall):  # ...and not with one fewer
-            simulate(trace, floor - 1, policy=Policy.LOOKAHEAD, lookahead=2, pinned_batches=pinned)
+            simulate(trace, floor - 1, policy=PolicyKind.LOOKAHEAD, lookahead=2, pinned_batches=pinned)
 
 
 def test_store_error_states_the_slots_the_batch_needs_beside_the_pinned_ones(tmp_path):

@@ -8,9 +8,19 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
+from embedding_store import PolicyKind
 from recsys.tune.curves import capacity_grid, lru_curve, lru_stack_distances, policy_curve
 from recsys.tune.split import split_budget
-from recsys.tune.trace import BIG, CapacityTooSmall, Policy, Trace, TraceBuilder, min_capacity, simulate
+from recsys.tune.trace import (
+    BELADY,
+    BIG,
+    SIM_POLICIES,
+    CapacityTooSmall,
+    Trace,
+    TraceBuilder,
+    min_capacity,
+    simulate,
+)
 
 
 def zipf_trace(
@@ -110,7 +120,7 @@ def belady_oracle(trace: Trace, capacity: int, pinned: int) -> tuple[float, floa
 def test_belady_simulation_equals_independent_oracle(seed, capacity):
     # One sender: rows tied on their next use are then interchangeable, whichever one MIN evicts.
     trace = zipf_trace(seed, batches=80, batch=20, space=300, senders=1)
-    res = simulate(trace, capacity, policy=Policy.BELADY, pinned_batches=3)
+    res = simulate(trace, capacity, policy=BELADY, pinned_batches=3)
     hits, requests = belady_oracle(trace, capacity, 3)
     assert res.requests == requests
     assert res.hits == hits
@@ -123,20 +133,20 @@ def test_lookahead_curve_lies_between_lru_and_belady(seed):
     caps = capacity_grid(floor, trace.num_ids, 10)
     rates = {
         p: policy_curve(trace, caps, policy=p, lookahead=4, pinned_batches=4).hit_rates
-        for p in (Policy.LRU, Policy.LOOKAHEAD, Policy.BELADY)
+        for p in (PolicyKind.LRU, PolicyKind.LOOKAHEAD, BELADY)
     }
-    assert np.all(rates[Policy.LRU] <= rates[Policy.LOOKAHEAD] + 1e-12)
-    assert np.all(rates[Policy.LOOKAHEAD] <= rates[Policy.BELADY] + 1e-12)
-    assert rates[Policy.BELADY][0] > rates[Policy.LRU][0]  # not all equal: the pins leave room to choose
+    assert np.all(rates[PolicyKind.LRU] <= rates[PolicyKind.LOOKAHEAD] + 1e-12)
+    assert np.all(rates[PolicyKind.LOOKAHEAD] <= rates[BELADY] + 1e-12)
+    assert rates[BELADY][0] > rates[PolicyKind.LRU][0]  # not all equal: the pins leave room to choose
 
 
 def test_minimum_capacity_is_tight():
     trace = zipf_trace(5)
     floor = min_capacity(trace, pinned_batches=4)
-    for policy in Policy:
+    for policy in SIM_POLICIES:
         simulate(trace, floor, policy=policy, lookahead=2, pinned_batches=4)
     with pytest.raises(CapacityTooSmall):
-        simulate(trace, floor - 1, policy=Policy.LRU, pinned_batches=4)
+        simulate(trace, floor - 1, policy=PolicyKind.LRU, pinned_batches=4)
 
 
 def test_spatial_sampling_tracks_the_exact_curve():
