@@ -5,8 +5,9 @@ slot capacity, sharded by DistributedModelParallel (table-wise: the whole slot t
 row-wise: ``device_rows`` slots on every rank). Before TorchRec sees a batch its raw ids become slot ids:
 
 1. every rank deduplicates its batch's ids per tiered table (:meth:`TieredTables.route`);
-2. key routing: an all-to-all on its own process group sends each unique id to its owner (table-wise:
-   the rank holding the table; row-wise: a hash of the id), which announces them to its store;
+2. key routing (:mod:`recsys.routing`): an all-to-all on its own process group sends each unique id to
+   its owner (table-wise: the rank holding the table; row-wise: a hash of the id), which announces them
+   to its store;
 3. the owner prefetches the rows from LMDB into DRAM (:meth:`prefetch`), then makes them resident in its
    local shard of the slot table and pins them (:meth:`fill`);
 4. a second all-to-all (another process group, so the two stages may run on different threads) returns
@@ -48,11 +49,12 @@ from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, Stag
 from recsys.data.batch import Batch
 from recsys.distributed import collective_timeout
 from recsys.errors import UserError
+from recsys.routing import DistExchange, Exchange, Ownership, RoutedIds, Router, values_by_feature
 from recsys.sharding import local_shards
 from recsys.sparse import ShardingKind, SparseConfig, SparseOptimizer
 from recsys.store_config import PipelineSection, StoreSection, resolve_capacities
 
-__all__ = ["TieredTables", "RoutedBatch", "owner_of_ids", "row_bytes", "tiered_feed"]
+__all__ = ["TieredTables", "RoutedBatch", "row_bytes", "tiered_feed"]
 
 _OPTIMIZER = {
     SparseOptimizer.EXACT_SGD: OptimizerKind.EXACT_SGD,
@@ -60,8 +62,6 @@ _OPTIMIZER = {
     SparseOptimizer.EXACT_ROWWISE_ADAGRAD: OptimizerKind.EXACT_ROWWISE_ADAGRAD,
 }
 TRAIN, EVAL = "train", "eval"
-_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # as int64, for wrapping torch multiplies
-_M2 = 0x94D049BB133111EB - (1 << 64)
 
 
 def row_bytes(sparse: SparseConfig, dim: int) -> int:
@@ -79,35 +79,19 @@ def _lmdb_options(max_bytes: int) -> LmdbOptions:
     )
 
 
-def owner_of_ids(ids: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Row-wise owner rank of each id: a mixing hash, so popular neighbouring ids spread over ranks."""
-    x = ids.clone()
-    x ^= (x >> 31) & ((1 << 33) - 1)
-    x *= _M1
-    x ^= (x >> 29) & ((1 << 35) - 1)
-    x *= _M2
-    x ^= (x >> 32) & ((1 << 32) - 1)
-    return torch.remainder(x, world_size)
-
-
 @dataclass
 class RoutedBatch:
-    """One batch between the routing and the fill stage.
-
-    ``inverse[t]`` maps each value of table t's feature to its unique id; ``perm[t]`` orders the unique ids
-    by destination rank (None when one rank owns the whole table: the sorted order is the send order);
-    ``send_counts`` (W, T) and ``recv_counts`` (W, T) count ids per peer and table; ``owner_ids[t]`` are
-    the ids this rank owns, received from every peer in peer order.
-    """
+    """One batch between the routing and the fill stage: its ``ids`` routed on ``channel``'s groups."""
 
     batch_id: int
     batch: Batch
     channel: str
-    inverse: dict[str, torch.Tensor]
-    perm: dict[str, torch.Tensor | None]
-    send_counts: torch.Tensor
-    recv_counts: torch.Tensor
-    owner_ids: dict[str, torch.Tensor]
+    ids: RoutedIds
+
+    @property
+    def owner_ids(self) -> dict[str, torch.Tensor]:
+        """Per table this rank holds, the ids of the batch it owns (see :class:`RoutedIds`)."""
+        return self.ids.owner_ids
 
 
 class TieredTables:
@@ -141,20 +125,23 @@ class TieredTables:
         configs = {t.name: t for t in tables if t.name in tiered}
         shards = {s.table: s for s in local_shards(dmp, [configs[n] for n in self.names])}
         self.row_offset = {name: shard.row_offset for name, shard in shards.items()}
-        owners: list[list[str]] = [sorted(shards)]
+        world = DistExchange()  # the default group, for the agreements of the constructor
+        self.ownership = Ownership.agree(
+            shards, world_size=self.world_size, row_wise=self.row_wise, exchange=world
+        )
+        self._router = Router(self.ownership, names=self.names, held=shards)
+        # One rank routes without collectives: its exchanges are never called.
+        self._exchanges: dict[str, tuple[Exchange, Exchange]] = {TRAIN: (world, world), EVAL: (world, world)}
         if self.world_size > 1:
-            owners = [[] for _ in range(self.world_size)]
-            dist.all_gather_object(owners, sorted(shards))
             # Own groups: collectives of key routing never interleave with TorchRec's; the routing and
             # fill stages of training batches each run on their own thread, and evaluation batches are
             # remapped on the main thread while those threads may be busy with later training batches.
             groups = (dist.new_group(backend="gloo", timeout=collective_timeout()) for _ in range(3))
-            route_pg, fill_pg, eval_pg = groups
-            self._groups = {TRAIN: (route_pg, fill_pg), EVAL: (eval_pg, eval_pg)}
-        self.table_owner = {name: r for r, names in enumerate(owners) for name in names}
+            route_pg, fill_pg, eval_pg = (DistExchange(g) for g in groups)
+            self._exchanges = {TRAIN: (route_pg, fill_pg), EVAL: (eval_pg, eval_pg)}
         self.path = path / f"rank_{self.rank}"
         self.store: TieredStore | None = None
-        self._shard = self._claim_shard(path)
+        self._shard = self._claim_shard(path, world)
         if shards:
             features = [self.feature[n] for n in self.names]  # all tiered tables, owned here or not
             dims = {configs[n].embedding_dim for n in shards}
@@ -186,7 +173,7 @@ class TieredTables:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    def _claim_shard(self, root: Path) -> ShardDirectory:
+    def _claim_shard(self, root: Path, world: Exchange) -> ShardDirectory:
         """Claim ``root/rank_r`` (its lock) before anything touches it (collective).
 
         ``open`` replaces the rank's store directory, so a second job pointed at a store in use must be
@@ -203,10 +190,7 @@ class TieredTables:
             )
         except OSError as err:
             refusal = f"cannot create store directory {root}: {err.strerror}"
-        refusals = [refusal]
-        if self.world_size > 1:
-            refusals = [None] * self.world_size
-            dist.all_gather_object(refusals, refusal)
+        refusals = [refusal] if self.world_size == 1 else world.all_gather(refusal)
         first = next((r for r in refusals if r is not None), None)
         if first is not None:
             if shard is not None:
@@ -235,10 +219,8 @@ class TieredTables:
             self.store.bind(name, weights=shard.weight.data, state=state)
 
     def _owns(self, name: str, ids: np.ndarray) -> np.ndarray:
-        """(n,) bool: which ids of table ``name`` this rank owns (its store only holds its own tables)."""
-        if not self.row_wise:
-            return np.ones(ids.shape[0], dtype=bool)
-        return (owner_of_ids(torch.from_numpy(ids), self.world_size) == self.rank).numpy()
+        """(n,) bool: which ids of table ``name`` this rank owns now."""
+        return self.ownership.owns(name, ids, self.rank)
 
     def close(self, *, flush: bool = True) -> None:
         """Close the store (flushing it, unless ``flush=False`` after a failure) and release the lock."""
@@ -254,56 +236,16 @@ class TieredTables:
 
     # -- the stages of one batch ------------------------------------------------------------------
 
-    def _values_by_feature(self, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
-        return dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()), strict=True))
-
     def route(self, batch_id: int, batch: Batch, *, channel: str = TRAIN) -> RoutedBatch:
         """Deduplicate the batch's ids per tiered table and send each unique id to its owner.
 
         ``channel`` (``train`` or ``eval``) picks the process groups: each channel's collectives are
         issued in the same order on every rank.
         """
-        values = self._values_by_feature(batch.sparse)
-        w, n_tables = self.world_size, len(self.names)
-        inverse: dict[str, torch.Tensor] = {}
-        perm: dict[str, torch.Tensor | None] = {}
-        uniques: list[torch.Tensor] = []
-        send_counts = torch.zeros(w, n_tables, dtype=torch.int64)
-        for t, name in enumerate(self.names):
-            uniq, inverse[name] = torch.unique(values[self.feature[name]], return_inverse=True)
-            if self.row_wise and w > 1:  # each id to the rank its hash names: group them by rank
-                dest = owner_of_ids(uniq, w)
-                order = torch.argsort(dest, stable=True)
-                uniq, perm[name] = uniq[order], order
-                send_counts[:, t] = torch.bincount(dest, minlength=w)
-            else:  # one owner for the whole table: already in send order
-                perm[name] = None
-                send_counts[self.table_owner[name], t] = uniq.shape[0]
-            uniques.append(uniq)
-        if w == 1:
-            owner_ids = {name: uniques[t] for t, name in enumerate(self.names) if name in self.row_offset}
-            return RoutedBatch(batch_id, batch, channel, inverse, perm, send_counts, send_counts, owner_ids)
-        counts = send_counts.numpy()
-        # peer-major, table-minor: the ids for peer d are table 0's share for d, then table 1's, ...
-        parts = [torch.split(u, counts[:, t].tolist()) for t, u in enumerate(uniques)]
-        send = torch.cat([parts[t][d] for d in range(w) for t in range(n_tables)])
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self._groups[channel][0])
-        recv = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
-        dist.all_to_all_single(
-            recv,
-            send,
-            recv_counts.sum(1).tolist(),
-            send_counts.sum(1).tolist(),
-            group=self._groups[channel][0],
-        )
-        pieces = torch.split(recv, recv_counts.reshape(-1).tolist())  # peer-major, table-minor
-        owner_ids = {
-            name: torch.cat([pieces[s * n_tables + t] for s in range(w)])
-            for t, name in enumerate(self.names)
-            if name in self.row_offset
-        }
-        return RoutedBatch(batch_id, batch, channel, inverse, perm, send_counts, recv_counts, owner_ids)
+        values = values_by_feature(batch.sparse)
+        ids = {name: values[self.feature[name]] for name in self.names}
+        routed = self._router.route(ids, self._exchanges[channel][0])
+        return RoutedBatch(batch_id, batch, channel, routed)
 
     def announce(self, routed: RoutedBatch) -> None:
         """Tell the store which rows this batch will need (lookahead and prefetch planning)."""
@@ -321,12 +263,11 @@ class TieredTables:
         if self.store is not None:
             local = self.store.make_resident(routed.batch_id, routed.owner_ids)
             slots = {name: s + self.row_offset[name] for name, s in local.items()}
-        # One rank owns every table: its slots are already in the order of its unique ids.
-        uniq_slots = slots if self.world_size == 1 else self._return_slots(routed, slots)
+        value_slots = self._router.return_slots(routed.ids, slots, self._exchanges[routed.channel][1])
         kjt = routed.batch.sparse
-        values = self._values_by_feature(kjt)
+        values = values_by_feature(kjt)
         for name in self.names:
-            values[self.feature[name]] = uniq_slots[name][routed.inverse[name]]
+            values[self.feature[name]] = value_slots[name]
         sparse = KeyedJaggedTensor(
             keys=kjt.keys(),
             values=torch.cat([values[k] for k in kjt.keys()]),
@@ -334,39 +275,6 @@ class TieredTables:
             stride=kjt.stride(),
         )
         return Batch(dense=routed.batch.dense, sparse=sparse, labels=routed.batch.labels)
-
-    def _return_slots(self, routed: RoutedBatch, slots: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The second all-to-all: owners send each peer the slots of the ids it sent them; returns the
-        slots of this rank's unique ids per table, in the order of those ids."""
-        w, n_tables = self.world_size, len(self.names)
-        recv = routed.recv_counts.numpy()  # (W, T)
-        starts = np.cumsum(recv, axis=0) - recv  # where peer s's ids of table t start in owner_ids[t]
-        back_parts = [
-            slots[name][starts[s, t] : starts[s, t] + recv[s, t]]
-            for s in range(w)
-            for t, name in enumerate(self.names)
-            if recv[s, t]
-        ]
-        back = torch.cat(back_parts) if back_parts else torch.empty(0, dtype=torch.int64)
-        got = torch.empty(int(routed.send_counts.sum()), dtype=torch.int64)
-        dist.all_to_all_single(
-            got,
-            back,
-            routed.send_counts.sum(1).tolist(),
-            routed.recv_counts.sum(1).tolist(),
-            group=self._groups[routed.channel][1],
-        )
-        pieces = torch.split(got, routed.send_counts.reshape(-1).tolist())  # dest-major, table-minor
-        out = {}
-        for t, name in enumerate(self.names):
-            in_send_order = torch.cat([pieces[d * n_tables + t] for d in range(w)])
-            order = routed.perm[name]
-            if order is None:
-                out[name] = in_send_order
-            else:
-                out[name] = torch.empty_like(in_send_order)
-                out[name][order] = in_send_order
-        return out
 
     def release(self, batch_id: int) -> None:
         """Unpin a batch's rows after its backward and optimizer step."""

@@ -1,9 +1,9 @@
 """Replay the id stream a training run sends to its stores, without training (and without
 torch.distributed): every rank's share of every batch is read in one process, in the run's order, and
-routed to its owner exactly as :meth:`recsys.tiered.TieredTables.route` does.
+routed to its owner by the rule :meth:`recsys.tiered.TieredTables.route` uses (:mod:`recsys.routing`).
 
 Each rank deduplicates its batch's ids per tiered table; the owner (table-wise: the table's one rank;
-row-wise: :func:`recsys.tiered.owner_of_ids`) receives one copy per sending rank. The result is one
+row-wise: :func:`recsys.routing.owner_of_ids`) receives one copy per sending rank. The result is one
 :class:`~recsys.tune.trace.Trace` per (table, owner): its batches' distinct ids weighted by the number of
 ranks that sent them. Evaluations (``eval.every``, and the final one after ``train.steps``) are replayed
 where the run does them, as unweighted batches, because they pass through the same caches.
@@ -31,11 +31,11 @@ from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.data.source import build_dataset
 from recsys.errors import UserError
+from recsys.routing import Ownership, tiered_features, values_by_feature
 from recsys.sparse import ShardingKind
-from recsys.tiered import owner_of_ids
 from recsys.tune.trace import Trace, TraceBuilder
 
-__all__ = ["Replay", "batches_in_flight", "replay", "tiered_features"]
+__all__ = ["Replay", "batches_in_flight", "replay"]
 
 # Training batches pinned when a batch is filled, itself included (see the module docstring).
 PIPELINED_BATCHES_IN_FLIGHT = 4
@@ -71,21 +71,6 @@ class Replay:
     pinned_batches: int
 
 
-def tiered_features(config: RunConfig, features: list[str]) -> list[str]:
-    """The sparse features whose tables are tiered in ``config`` (in feature order)."""
-    store = config.store
-    unknown = sorted(set(store.tables) - set(features))
-    if unknown:
-        raise UserError(f"store.tables names unknown features {unknown}; features are {features}")
-    chosen = set(store.tables) or set(features)
-    return [f for f in features if f in chosen]
-
-
-def _values(batch: Batch) -> dict[str, torch.Tensor]:
-    kjt = batch.sparse
-    return dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()), strict=True))
-
-
 def replay(
     config: RunConfig,
     *,
@@ -111,7 +96,7 @@ def replay(
     row_wise = cfg.sparse.sharding is ShardingKind.ROW_WISE
     owners = world if row_wise else 1
     data = build_dataset(cfg.data, synthetic=cfg.synthetic, seed=cfg.train.seed)
-    tiered = tiered_features(cfg, data.feature_names)
+    tiered = tiered_features(cfg.store, data.feature_names)
     if features is not None:
         untiered = [f for f in features if f not in tiered]
         if untiered:
@@ -121,17 +106,18 @@ def replay(
     pinned = batches_in_flight(cfg)
     # Tiered tables keep raw ids (train.py folds only plain tables whose id space exceeds the table).
     builders = {f: [TraceBuilder() for _ in range(owners)] for f in features}
+    # Table-wise, each table's one owner is trace 0 (whichever rank the planner picks, it gets every id).
+    ownership = Ownership(
+        world_size=world, row_wise=row_wise, table_owner=dict.fromkeys((f"t_{f}" for f in features), 0)
+    )
 
     def add(rank_batches: list[Batch], *, train: bool, held: int = -1) -> None:
-        per_rank = [_values(b) for b in rank_batches]
+        per_rank = [values_by_feature(b.sparse) for b in rank_batches]
         for f in features:
-            uniq = [torch.unique(v[f]) for v in per_rank]
-            if row_wise and world > 1:
-                for owner in range(owners):
-                    mine = [u[owner_of_ids(u, world) == owner] for u in uniq]
-                    _add_merged(builders[f][owner], mine, train=train, held=held)
-            else:
-                _add_merged(builders[f][0], uniq, train=train, held=held)
+            # shares[r][o]: the distinct ids rank r sends owner o
+            shares = [ownership.split(f"t_{f}", torch.unique(v[f])) for v in per_rank]
+            for owner, builder in enumerate(builders[f]):
+                _add_merged(builder, [share[owner] for share in shares], train=train, held=held)
 
     def evaluate(held: int) -> None:
         for parts in zip(
