@@ -5,7 +5,7 @@ accounting every policy needs (the batch tick of the last use and the number of 
 position); a policy only says which of the candidate positions goes first. All operations are
 vectorised over arrays of positions; duplicates in a ``touch`` count once (one use per batch).
 
-Contract (tests/embedding_store/test_policies.py runs it against every policy): ``victims(n, ...)``
+Contract (tests/embedding_store/test_store_policies.py runs it against every policy): ``victims(n, ...)``
 returns ``n`` distinct members of ``candidates``, deterministically, and raises ValueError when
 ``n > len(candidates)``; pinned positions are simply never passed as candidates.
 """
@@ -122,10 +122,9 @@ class LookaheadPolicy(EvictionPolicy):
         return np.where(needed, key | rank | (1 << 61), key)
 
 
+# The class of each PolicyKind, keyed by the kind the class names (the tests make every kind's policy).
 _POLICIES: dict[PolicyKind, type[EvictionPolicy]] = {
-    PolicyKind.LRU: LruPolicy,
-    PolicyKind.LFU: LfuPolicy,
-    PolicyKind.LOOKAHEAD: LookaheadPolicy,
+    p.kind: p for p in (LruPolicy, LfuPolicy, LookaheadPolicy)
 }
 
 
