@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recsys.checkpoint import checkpoint_meta, load_checkpoint
+from recsys.checkpoint import checkpoint_meta
 from recsys.config import RunConfig
 from recsys.data.source import check_source
 from recsys.distributed import free_port, init_distributed, launched_by_torchrun, set_local_rank_env
 from recsys.errors import UserError
 from recsys.serving.runs import find_checkpoint, run_config
-from recsys.train import Trainer
+from recsys.trainer import Trainer
 
 __all__ = ["evaluate_checkpoint", "held_out_logits", "restore"]
 
@@ -41,18 +41,7 @@ log = logging.getLogger("recsys")
 def restore(trainer: Trainer, checkpoint: Path) -> int:
     """Load ``checkpoint`` into a fresh trainer (collective), as ``--resume`` would but without
     touching the run directory; returns its step."""
-    meta = checkpoint_meta(checkpoint)
-    tiered = [] if trainer.tiered is None else trainer.tiered.names
-    step = load_checkpoint(
-        checkpoint, dmp=trainer.dmp, dense_optimizer=trainer.dense_optimizer, skip_tables=tiered
-    )
-    if trainer.tiered is not None:
-        if meta["world_size"] == trainer.env.world_size:
-            trainer.tiered.open(snapshot=checkpoint / f"store_rank_{trainer.env.rank}")
-        else:
-            trainer.tiered.open(reshard_from=sorted(checkpoint.glob("store_rank_*")))
-    trainer.step = step
-    return step
+    return trainer.restore(checkpoint, check_fingerprint=False)
 
 
 def held_out_logits(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from recsys.checkpoint import (
     DAMAGED_PREFIX,
     META,
     CheckpointError,
+    ModelState,
     _describe,
     _short,
     checkpoint_meta,
@@ -296,12 +297,25 @@ def _trained() -> tuple[_Model, _Dense]:
     return model, _Dense([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
 
 
+class _Fingerprint:
+    """A checkpoint part that only records a fingerprint in meta.json."""
+
+    def __init__(self, fingerprint):
+        self.fingerprint = fingerprint
+
+    def save(self, into):
+        into.meta["fingerprint"] = self.fingerprint
+        return []
+
+    def restore(self, source):
+        pass
+
+
 def test_save_verify_load_round_trip_with_fingerprint(tmp_path):
     model, dense = _trained()
     fingerprint = model_fingerprint(config_from_dict({}, ["train.batch_size=512"]))
-    path = save_checkpoint(
-        tmp_path, step=7, dmp=model, dense_optimizer=dense, keep=2, fingerprint=fingerprint
-    )
+    parts = {"model": ModelState(model, dense), "fingerprint": _Fingerprint(fingerprint)}
+    path = save_checkpoint(tmp_path, step=7, parts=parts, keep=2)
     assert verify_checkpoint(path) == []
     meta = checkpoint_meta(path)
     assert (meta["step"], meta["world_size"], meta["fingerprint"]) == (7, 1, fingerprint)
@@ -312,7 +326,7 @@ def test_save_verify_load_round_trip_with_fingerprint(tmp_path):
     assert load_checkpoint(path, dmp=model, dense_optimizer=dense) == 7
     assert torch.equal(model.weight, saved)
     assert torch.equal(model.fused_optimizer.state["weight.momentum"], torch.full((4,), 0.5))
-    plain = save_checkpoint(tmp_path, step=8, dmp=model, dense_optimizer=dense, keep=2)
+    plain = save_checkpoint(tmp_path, step=8, parts={"model": ModelState(model, dense)}, keep=2)
     assert checkpoint_meta(plain)["fingerprint"] is None
 
 
@@ -325,7 +339,7 @@ def test_unloadable_rank_files_raise_one_line_checkpoint_errors(tmp_path):
     assert str(info.value).startswith(f"checkpoint file {garbage / 'rank_0.pt'} cannot be loaded (")
     assert "\n" not in str(info.value) and "weights_only" not in str(info.value)  # no advice to unpickle
 
-    good = save_checkpoint(tmp_path, step=2, dmp=model, dense_optimizer=dense, keep=5)
+    good = save_checkpoint(tmp_path, step=2, parts={"model": ModelState(model, dense)}, keep=5)
     data = (good / "rank_0.pt").read_bytes()
     truncated = _fake_checkpoint(tmp_path, 3, {"rank_0.pt": data[: len(data) // 2]})
     with pytest.raises(CheckpointError, match="cannot be loaded") as info:
@@ -348,7 +362,7 @@ def test_unloadable_rank_files_raise_one_line_checkpoint_errors(tmp_path):
 
 def test_directories_are_fsynced_around_every_rename(tmp_path, monkeypatch):
     events: list[tuple[str, str]] = []
-    real_fsync_dir, real_replace = ckpt._fsync_dir, os.replace
+    real_fsync_dir, real_replace = ckpt.files._fsync_dir, os.replace
 
     def fsync_dir(path: Path) -> None:
         events.append(("fsync", str(Path(path).relative_to(tmp_path))))
@@ -358,12 +372,12 @@ def test_directories_are_fsynced_around_every_rename(tmp_path, monkeypatch):
         events.append(("rename", str(Path(dst).relative_to(tmp_path))))
         real_replace(src, dst)
 
-    monkeypatch.setattr(ckpt, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(ckpt.files, "_fsync_dir", fsync_dir)
     monkeypatch.setattr(os, "replace", replace)
     model, dense = _trained()
     root = tmp_path / "out" / "checkpoints"
     (tmp_path / "out").mkdir()
-    save_checkpoint(root, step=1, dmp=model, dense_optimizer=dense, keep=1)
+    save_checkpoint(root, step=1, parts={"model": ModelState(model, dense)}, keep=1)
     step1, step2 = "out/checkpoints/step_00000001", "out/checkpoints/step_00000002"
     assert events == [
         ("fsync", "out"),  # checkpoints/ was created
@@ -375,7 +389,7 @@ def test_directories_are_fsynced_around_every_rename(tmp_path, monkeypatch):
         ("fsync", step1),
     ]
     events.clear()
-    save_checkpoint(root, step=2, dmp=model, dense_optimizer=dense, keep=1)
+    save_checkpoint(root, step=2, parts={"model": ModelState(model, dense)}, keep=1)
     assert events == [
         ("fsync", "out/checkpoints"),
         ("rename", f"{step2}/rank_0.pt"),

@@ -21,7 +21,7 @@ def _digest_after_edit(rank: int, world_size: int, arg: tuple[list[str], bool]) 
     """Build the sharded model, give rows with id % 3 == 0 a known new value and state, and digest."""
     from recsys.distributed import init_distributed
     from recsys.sharding import local_shards
-    from recsys.train import Trainer
+    from recsys.trainer import Trainer
 
     overrides, nudge = arg
     cfg = config_from_dict({}, [*overrides, f"train.nproc={world_size}"])

@@ -49,21 +49,24 @@ def _found(rank: int, world_size: int, tiered: bool) -> dict[str, str]:
     """What ``_nonfinite`` names after each kind of poisoning, on a freshly built model."""
     from recsys.distributed import init_distributed
     from recsys.sharding import local_shards
-    from recsys.train import Trainer
+    from recsys.trainer import Trainer
 
     cfg = config_from_dict({}, [*SMALL, f"train.nproc={world_size}", f"store.tiered={str(tiered).lower()}"])
     trainer = Trainer(cfg, init_distributed(threads_per_rank=1), out_dir=Path(tempfile.mkdtemp()))
-    found = {"clean": trainer._nonfinite(0.5, rows=True), "loss": trainer._nonfinite(math.nan, rows=True)}
+    found = {
+        "clean": trainer.health.nonfinite(0.5, rows=True),
+        "loss": trainer.health.nonfinite(math.nan, rows=True),
+    }
     with torch.no_grad():
         shard = next(s for s in local_shards(trainer.dmp, trainer.tables) if s.table == "t_cat_1")
         shard.weight[7, 3] = math.inf
-        found["row, not scanned"] = trainer._nonfinite(0.5, rows=False)
-        found["row"] = trainer._nonfinite(0.5, rows=True)
+        found["row, not scanned"] = trainer.health.nonfinite(0.5, rows=False)
+        found["row"] = trainer.health.nonfinite(0.5, rows=True)
         shard.weight[7, 3] = 0.0
-        name, param = trainer._dense_params()[2]
+        name, param = trainer.health.dense_params()[2]
         param.grad = torch.zeros_like(param)
         param.grad.view(-1)[0] = math.nan
-        found["gradient"] = trainer._nonfinite(0.5, rows=False)
+        found["gradient"] = trainer.health.nonfinite(0.5, rows=False)
         found["gradient name"] = name
     return found
 
@@ -82,14 +85,14 @@ def _agreed(rank: int, world_size: int, _arg: None) -> str:
     """Only rank 1 sees a non-finite loss; every rank must stop with the same message."""
     from recsys.distributed import init_distributed
     from recsys.errors import UserError
-    from recsys.train import Trainer
+    from recsys.trainer import Trainer
 
     cfg = config_from_dict({}, [*SMALL, f"train.nproc={world_size}"])
     trainer = Trainer(cfg, init_distributed(threads_per_rank=1), out_dir=None)  # type: ignore[arg-type]
     trainer.step = 12
-    trainer._check_step(0.5)  # nobody sees a problem: no error
+    trainer.health.check(0.5, step=trainer.step)  # nobody sees a problem: no error
     try:
-        trainer._check_step(math.inf if rank == 1 else 0.5)
+        trainer.health.check(math.inf if rank == 1 else 0.5, step=trainer.step)
     except UserError as err:
         return str(err)
     return ""

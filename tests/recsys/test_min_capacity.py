@@ -266,7 +266,7 @@ def _train_at(rank: int, world_size: int, arg: tuple[list[str], list[int]]) -> l
     from recsys.distributed import init_distributed
     from recsys.errors import UserError
     from recsys.metrics import MetricsLog
-    from recsys.train import Trainer
+    from recsys.trainer import Trainer
 
     overrides, capacities = arg
     env = init_distributed(threads_per_rank=1)

@@ -25,7 +25,7 @@ BASE = [
 def _digests(rank: int, world_size: int, optimizer: str) -> tuple[str, str]:
     from recsys.distributed import init_distributed
     from recsys.metrics import MetricsLog
-    from recsys.train import Trainer
+    from recsys.trainer import Trainer
 
     env = init_distributed(threads_per_rank=1)
 

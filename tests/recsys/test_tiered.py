@@ -32,7 +32,7 @@ BASE = [
 def _train(rank: int, world_size: int, overrides: list[str]) -> dict:
     from recsys.distributed import init_distributed
     from recsys.metrics import MetricsLog
-    from recsys.train import Trainer
+    from recsys.trainer import Trainer
 
     env = init_distributed(threads_per_rank=1)
     out = []
@@ -45,7 +45,7 @@ def _train(rank: int, world_size: int, overrides: list[str]) -> dict:
             trainer.start(resume=False)
             summary = trainer.fit(MetricsLog(Path(tmp) / "m.jsonl", enabled=False))
             digest = trainer.digest()
-            tiers = trainer.tier_stats()
+            tiers = {} if trainer.tier_metrics is None else trainer.tier_metrics.store_stats()
             touched = _touched(trainer)
             trainer.close()
         out.append({"digest": digest, "auc": summary["auc"], "tiers": tiers, "touched": touched})

@@ -55,7 +55,7 @@ def _train(rank: int, world_size: int, overrides: list[str]) -> dict:
     import recsys.models
     from recsys.distributed import init_distributed
     from recsys.metrics import MetricsLog
-    from recsys.train import Trainer
+    from recsys.trainer import Trainer
 
     calls = [0]
     rest = recsys.models.windowed_rest
@@ -119,7 +119,7 @@ def test_more_windows_than_samples_is_a_config_error() -> None:
 def _expect_error(rank: int, world_size: int, overrides: list[str]) -> str:
     from recsys.distributed import init_distributed
     from recsys.errors import UserError
-    from recsys.train import Trainer
+    from recsys.trainer import Trainer
 
     env = init_distributed(threads_per_rank=1)
     with tempfile.TemporaryDirectory() as tmp:

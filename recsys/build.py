@@ -1,0 +1,204 @@
+"""Assembling a trainer from its config: the dataset, the sharded model, its optimizers and the tiers.
+
+:class:`TrainSpec` names the builders a :class:`~recsys.trainer.Trainer` is assembled with, so that a
+benchmark or a test replaces one part (a tier binding that records what it fills, a feed it keeps, a
+silent progress bar) instead of patching the project's modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrec import EmbeddingBagConfig
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from tqdm import tqdm
+
+from pipelines import StagedPipeline
+from recsys.capacities import Capacities
+from recsys.config import RunConfig
+from recsys.data.batch import Batch
+from recsys.data.source import Dataset, build_dataset
+from recsys.distributed import DistEnv
+from recsys.errors import UserError
+from recsys.models import TrainModel, build_model, table_configs
+from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
+from recsys.sparse import ShardingKind
+from recsys.tiered import TieredTables, row_bytes, tiered_feed
+from recsys.windows import enable_frozen_windows
+
+__all__ = ["ModelParts", "TrainSpec", "build_parts", "fold_ids", "progress_bar"]
+
+log = logging.getLogger("recsys")
+
+
+def progress_bar(*, total: int, initial: int, enabled: bool) -> Any:
+    """The training progress bar (tqdm, rank 0 only); ``write`` prints a line above it."""
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="train",
+        unit="step",
+        disable=not enabled,
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainSpec:
+    """The builders of a trainer's replaceable parts.
+
+    Attributes:
+        tables: builds the tier binding of one rank; called as :class:`~recsys.tiered.TieredTables` is.
+        feed: builds the nested pipeline that feeds tiered tables; called as
+            :func:`~recsys.tiered.tiered_feed` is.
+        progress: builds the progress bar of a fit; called as :func:`progress_bar` is.
+    """
+
+    tables: Callable[..., TieredTables] = TieredTables
+    feed: Callable[..., StagedPipeline] = tiered_feed
+    progress: Callable[..., Any] = progress_bar
+
+
+@dataclass(kw_only=True)
+class ModelParts:
+    """What :func:`build_parts` assembles for one rank.
+
+    Attributes:
+        data: the dataset.
+        fold: per feature, the modulus its ids are folded by into an in-memory table (0: not folded).
+        tables: every table config (a tiered one has its device slots per owner x owners as rows).
+        dmp: the sharded model.
+        optimizer: TorchRec's combined optimizer (fused sparse + dense).
+        dense_optimizer: the dense part of it.
+        capacities: the tiers' sizes per tiered feature (empty without tiers).
+        tiered: the tier binding, or None when no table is tiered.
+    """
+
+    data: Dataset
+    fold: list[int]
+    tables: list[EmbeddingBagConfig]
+    dmp: DistributedModelParallel
+    optimizer: Any
+    dense_optimizer: Any
+    capacities: Capacities
+    tiered: TieredTables | None
+
+
+def fold_ids(batch: Batch, modulus: list[int]) -> Batch:
+    """Fold each feature's ids into its in-memory table (modulo, as hashed features do); 0 keeps them."""
+    if not any(modulus):
+        return batch
+    kjt = batch.sparse
+    lengths = torch.tensor(kjt.length_per_key())
+    per_value = torch.repeat_interleave(torch.tensor(modulus, dtype=torch.int64), lengths)
+    values = kjt.values()
+    values = torch.where(per_value > 0, torch.remainder(values, per_value.clamp(min=1)), values)
+    sparse = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths(), stride=kjt.stride())
+    return Batch(dense=batch.dense, sparse=sparse, labels=batch.labels)
+
+
+def tiered_features(config: RunConfig, features: list[str]) -> list[str]:
+    """The features whose tables are tiered, in feature order."""
+    store = config.store
+    if not store.tiered:
+        return []
+    unknown = sorted(set(store.tables) - set(features))
+    if unknown:
+        raise UserError(f"store.tables names unknown features {unknown}; features are {features}")
+    chosen = set(store.tables) or set(features)
+    return [f for f in features if f in chosen]
+
+
+def _warn_folded(cfg: RunConfig, features: list[str], spaces: list[int], fold: list[int]) -> None:
+    """One warning when an untiered run folds ids that its tiered twin would keep apart."""
+    if cfg.store.tiered:
+        return
+    candidates = set(cfg.store.tables) or set(features)
+    folded = [
+        f"{f} ({space:,} ids)"
+        for f, space, m in zip(features, spaces, fold, strict=True)
+        if m and f in candidates
+    ]
+    if folded:
+        log.warning(
+            "store.tiered=false: the in-memory tables of %s fold ids modulo sparse.max_rows_per_table=%d (hash collisions), so "
+            "this run trains a different model than store.tiered=true and the digests differ; digests agree "
+            "when every id space fits in sparse.max_rows_per_table",
+            ", ".join(folded),
+            cfg.sparse.max_rows_per_table,
+        )
+
+
+def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSpec) -> ModelParts:
+    """The dataset, model, optimizers and tier binding of this rank for ``config`` (collective).
+
+    Raises:
+        UserError: a setting does not fit the data or the ranks (named in the message).
+    """
+    cfg = config
+    data = build_dataset(cfg.data, synthetic=cfg.synthetic, seed=cfg.train.seed)
+    features = data.feature_names
+    tiered = tiered_features(cfg, features)
+    capacities = Capacities.resolve(cfg.store, tiered, row_bytes=row_bytes(cfg.sparse, cfg.model.table_dim))
+    owners = env.world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
+    num_embeddings = [
+        capacities.device_rows[f] * owners if f in tiered else min(space, cfg.sparse.max_rows_per_table)
+        for f, space in zip(features, data.id_spaces, strict=True)
+    ]
+    fold = [
+        0 if f in tiered or space <= rows else rows
+        for f, space, rows in zip(features, data.id_spaces, num_embeddings, strict=True)
+    ]
+    if env.is_main:
+        _warn_folded(cfg, features, data.id_spaces, fold)
+    tables = table_configs(features, dim=cfg.model.table_dim, num_embeddings=num_embeddings)
+    torch.manual_seed(cfg.train.seed)
+    windows = cfg.pipeline.frozen_windows
+    if windows > cfg.train.batch_size // env.world_size:
+        raise UserError(
+            f"pipeline.frozen_windows={windows} is more than the "
+            f"{cfg.train.batch_size // env.world_size} samples of a rank's batch"
+        )
+    model = TrainModel(
+        build_model(cfg.model, tables, num_dense=data.num_dense, device=env.device),
+        windows=windows,
+    )
+    dmp = shard_model(model, tables, sparse=cfg.sparse, device=env.device)
+    if windows > 1:
+        enable_frozen_windows(dmp, windows, env.world_size)
+    init_embedding_rows(dmp, tables, seed=cfg.train.seed, scale=cfg.sparse.init_scale)
+    optimizer = build_optimizer(dmp, cfg.train)
+    binding = None
+    if tiered:
+        store_path = Path(cfg.store.path) if cfg.store.path else out_dir / "store"
+        binding = spec.tables(
+            dmp,
+            tables,
+            tiered={
+                f"t_{f}": space for f, space in zip(features, data.id_spaces, strict=True) if f in tiered
+            },
+            settings=(cfg.store, cfg.sparse, cfg.train.seed),
+            path=store_path,
+        )
+    return ModelParts(
+        data=data,
+        fold=fold,
+        tables=tables,
+        dmp=dmp,
+        optimizer=optimizer,
+        dense_optimizer=optimizer.optimizers[1][1],
+        capacities=capacities,
+        tiered=binding,
+    )
+
+
+def fold_source(batches: Iterable[Batch], fold: list[int], start: int, stop: int) -> Any:
+    """``(step, batch)`` for steps [start, stop) of a rank's batches, ids folded where needed."""
+    for step, batch in zip(range(start, stop), batches, strict=False):
+        yield step, fold_ids(batch, fold)

@@ -1,0 +1,63 @@
+"""Which settings change the trained model: a resumed run is refused when they differ."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from recsys.config import RunConfig, config_to_dict
+
+# Per section of RunConfig, the keys that do not change the trained model; sections not named here
+# (store, pipeline, eval) change none. Every other key does, including keys added later.
+_NOT_MODEL: dict[str, frozenset[str]] = {
+    "train": frozenset(
+        {"steps", "nproc", "log_every", "checkpoint_every", "keep_checkpoints", "threads_per_rank"}
+        | {"collective_timeout_s"}
+    ),
+    "model": frozenset(),
+    "sparse": frozenset(),
+    "data": frozenset({"path", "cache_dir", "on_error"}),
+    "synthetic": frozenset({"eval_samples"}),
+}
+
+
+def model_fingerprint(config: RunConfig) -> dict[str, Any]:
+    """The settings of ``config`` that change the trained model, as flat ``{"section.key": value}``.
+
+    The rule: a key is in when resuming under another value would silently train another model than the
+    one the checkpoint continues. In: every key of ``[model]`` and ``[sparse]``; ``train.seed``,
+    ``train.batch_size`` (global), ``train.dense_optimizer`` and ``train.dense_learning_rate``;
+    ``data.source``; and, when it is ``synthetic``, every key of ``[synthetic]`` but ``eval_samples``.
+    Out: ``train.steps`` (a run may be extended on resume), ``train.nproc`` (resuming on another number of
+    ranks re-partitions), the logging, checkpointing, threading and timeout keys; where the data lives
+    (``data.path``, ``data.cache_dir``) and ``data.on_error`` (switching to ``skip`` after a run stopped at
+    a bad line trains on the same rows so far); ``[store]`` and ``[pipeline]`` (where rows live and how
+    batches are fed: tiered tables train the same model as in-memory tables that hold every id, and
+    ``pipeline.frozen_windows`` changes rounding only) and ``[eval]`` (evaluation never updates the
+    model). Keys added to a section later are in unless listed in ``_NOT_MODEL``. Values are JSON-safe:
+    enums as their values, tuples as lists.
+    """
+    tree = config_to_dict(config)
+    out: dict[str, Any] = {}
+    for section, excluded in _NOT_MODEL.items():
+        if section == "synthetic" and config.data.source != "synthetic":
+            continue  # the dataset spec, not this section, describes the data
+        out |= {f"{section}.{key}": v for key, v in tree[section].items() if key not in excluded}
+    return out
+
+
+def fingerprint_mismatch(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """One ``"key: saved X, now Y"`` line per key whose value differs (values as JSON; a key only one
+    side has shows ``(none)`` on the other). A checkpoint saved without a fingerprint (None) matches."""
+    if saved is None:
+        return []
+
+    def shown(side: dict[str, Any], key: str) -> str:
+        return json.dumps(side[key], sort_keys=True) if key in side else "(none)"
+
+    now = json.loads(json.dumps(current))  # compared as stored: tuples as lists
+    return [
+        f"{key}: saved {shown(saved, key)}, now {shown(now, key)}"
+        for key in sorted(saved.keys() | now.keys())
+        if shown(saved, key) != shown(now, key)
+    ]

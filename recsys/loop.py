@@ -1,0 +1,235 @@
+"""The training loop: steps through TorchRec's pipeline, logs, evaluates, checkpoints and stops.
+
+:class:`TrainLoop` takes its collaborators as arguments — where the batches come from (``feed``), what
+shows progress (``progress``) and where metrics go (``metrics``) — so that a benchmark or a test passes
+its own instead of patching modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from embedding_store import StoreCapacityError, StoreFullError
+from pipelines import StagedPipeline, StageFailed
+from recsys.data.batch import Batch
+from recsys.errors import UserError
+from recsys.lifetime import RunStopped
+from recsys.selection import Evaluation
+from recsys.writing import writing
+
+if TYPE_CHECKING:
+    from recsys.trainer import Trainer
+
+__all__ = ["MetricsSink", "TrainLoop"]
+
+log = logging.getLogger("recsys")
+
+# Warnings repeat at most every this many log points.
+WARN_EVERY_LOGS = 10
+
+Feed = Callable[[int, int], tuple[Iterator[Batch], StagedPipeline | None]]
+
+
+class MetricsSink(Protocol):
+    """Where the loop's records go (``metrics.jsonl`` in a run: :class:`recsys.metrics.MetricsLog`)."""
+
+    path: Any
+
+    def write(self, **record: Any) -> None: ...
+
+
+class TrainLoop:
+    """One fit of a trainer from its current step to ``train.steps``.
+
+    Args:
+        trainer: the parts being trained (model, tiers, checkpoints, evaluation).
+        feed: ``feed(start, stop)`` -> the batches of steps [start, stop), and the nested pipeline that
+            produces them when the tables are tiered (None otherwise).
+        progress: builds the progress bar (``total``, ``initial``, ``enabled``) whose ``write`` prints a line.
+        metrics: the sink of the train and eval records.
+    """
+
+    def __init__(
+        self, trainer: Trainer, *, feed: Feed, progress: Callable[..., Any], metrics: MetricsSink
+    ) -> None:
+        self.trainer = trainer
+        self.feed = feed
+        self.progress = progress
+        self.metrics = metrics
+        self._warned: dict[str, int] = {}
+        self._logs = 0
+
+    def run(self) -> dict[str, Any]:
+        t = self.trainer
+        steps = t.config.train.steps
+        pipeline = TrainPipelineSparseDist(t.dmp, t.optimizer, t.env.device, execute_all_batches=True)
+        batches, feed = self.feed(t.step, steps)
+        bar = self.progress(total=steps, initial=t.step, enabled=t.env.is_main)
+        try:
+            return self._steps(pipeline, batches, feed, bar)
+        except (StageFailed, StoreCapacityError, StoreFullError) as err:
+            cause = err.__cause__ if isinstance(err, StageFailed) else err
+            if isinstance(cause, StoreFullError):
+                raise UserError(f"{cause}; raise store.max_lmdb_bytes or free disk space") from err
+            if isinstance(cause, StoreCapacityError):
+                raise UserError(t.too_few_slots(cause)) from err
+            raise
+        finally:
+            bar.close()  # ends the bar's line before any error message
+            if feed is not None:
+                feed.close()
+                if t.env.is_main and t.config.pipeline.trace_batches:
+                    with writing(t.out_dir / "trace.json"):
+                        feed.write_trace(t.out_dir / "trace.json")
+                t.pipeline_stats = feed.stats()
+
+    # -- one log window -----------------------------------------------------------------------------
+
+    def _mean(self, value: float) -> float:
+        v = torch.tensor([value], dtype=torch.float64)
+        if self.trainer.env.world_size > 1:
+            dist.all_reduce(v)
+            v /= self.trainer.env.world_size
+        return float(v[0])
+
+    def _warn(self, message: str | None, bar: Any) -> None:
+        """Show a warning on rank 0, at most once every ``WARN_EVERY_LOGS`` log points per kind."""
+        if not message or not self.trainer.env.is_main:
+            return
+        kind = message[:12]
+        if self._logs - self._warned.get(kind, -WARN_EVERY_LOGS) >= WARN_EVERY_LOGS:
+            self._warned[kind] = self._logs
+            bar.write(f"WARNING: {message}")
+            log.warning(message)
+
+    def _log(self, loss: float, steps: int, seconds: float, feed: StagedPipeline | None, bar: Any) -> None:
+        t = self.trainer
+        tcfg = t.config.train
+        mean_loss = self._mean(loss / steps)
+        rate = steps * tcfg.batch_size / max(1e-9, seconds)
+        postfix = {"loss": f"{mean_loss:.4f}", "samples_per_s": f"{rate:,.0f}"}
+        extra: dict[str, Any] = {}
+        if t.tier_metrics is not None and feed is not None:
+            tiers, thrash = t.tier_metrics.window(warm=t.step > 2 * tcfg.log_every, steps=tcfg.log_every)
+            stats = feed.stats()
+            extra = {"tiers": tiers, "pipeline": {"bound_by": stats.get("bound_by")}}
+            postfix.update(hit=f"{tiers['device_hit_rate']:.3f}", bound=str(stats.get("bound_by")))
+            self._logs += 1
+            for message in (thrash, feed.stall_warning()):
+                self._warn(message, bar)
+        bar.set_postfix(postfix)
+        with writing(self.metrics.path):
+            self.metrics.write(kind="train", step=t.step, loss=mean_loss, samples_per_s=rate, **extra)
+
+    # -- evaluation ---------------------------------------------------------------------------------
+
+    def evaluation(self, pipeline: TrainPipelineSparseDist, bar: Any) -> Evaluation:
+        """Evaluate, log beside the constant baseline, and keep the checkpoint of a new best (collective)."""
+        t = self.trainer
+        auc, logloss = t.evaluate(pipeline)
+        e = Evaluation(step=t.step, auc=None if math.isnan(auc) else auc, logloss=logloss)
+        baseline = t.baseline()["constant_logloss"]
+        keep = bool(t.config.eval.every) and t.selection.improves(e)
+        if keep:
+            path = t.save(best=True)
+            e = Evaluation(step=e.step, auc=e.auc, logloss=e.logloss, digest=t.digest(checkpoint=path))
+        t.selection.update(e)
+        with writing(self.metrics.path):
+            self.metrics.write(
+                kind="eval", step=t.step, auc=auc, logloss=logloss, constant_logloss=baseline, best=keep
+            )
+        if t.env.is_main:
+            shown = "n/a" if e.auc is None else f"{e.auc:.4f}"
+            versus = "" if baseline is None else f" (constant predictor {baseline:.4f})"
+            bar.write(
+                f"step {t.step}: eval auc {shown} logloss {logloss:.4f}{versus}" + (" best" if keep else "")
+            )
+        return e
+
+    # -- the steps ----------------------------------------------------------------------------------
+
+    def _after_step(self, loss: float) -> None:
+        """Stop on a non-finite value (raised by the check) or, after a checkpoint, on SIGTERM/SIGINT."""
+        t = self.trainer
+        signum = t.health.check(loss, step=t.step)
+        if signum:
+            if t.saved_step != t.step:
+                t.save()
+            raise RunStopped(signum, t.step)
+
+    def _steps(
+        self,
+        pipeline: TrainPipelineSparseDist,
+        batches: Iterator[Batch],
+        feed: StagedPipeline | None,
+        bar: Any,
+    ) -> dict[str, Any]:
+        t = self.trainer
+        cfg = t.config
+        tcfg = cfg.train
+        train_time = 0.0
+        trained_samples = 0
+        window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        result: dict[str, Any] = {"stopped_early": False}
+        last: Evaluation | None = None
+        while t.step < tcfg.steps:
+            t0 = time.perf_counter()
+            loss, _, _ = pipeline.progress(batches)
+            if t.tiered is not None:
+                t.tiered.release(t.step)  # its backward and optimizer step are done
+            train_time += time.perf_counter() - t0
+            t.step += 1
+            trained_samples += tcfg.batch_size
+            loss_value = float(loss)
+            self._after_step(loss_value)
+            window_loss += loss_value
+            window_steps += 1
+            bar.update(1)
+            if t.step % tcfg.log_every == 0 or t.step == tcfg.steps:
+                self._log(window_loss, window_steps, time.perf_counter() - window_start, feed, bar)
+                window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            stop_early = False
+            if cfg.eval.every and t.step % cfg.eval.every == 0 and t.step < tcfg.steps:
+                last = self.evaluation(pipeline, bar)
+                stop_early = t.selection.exhausted
+                window_start = time.perf_counter()
+            if tcfg.checkpoint_every and t.step % tcfg.checkpoint_every == 0 and t.step < tcfg.steps:
+                t.save()
+                window_start = time.perf_counter()
+            if stop_early:
+                assert t.selection.best is not None
+                message = (
+                    f"stopping early at step {t.step}: {cfg.eval.patience} evaluation(s) without a better "
+                    f"held-out {cfg.eval.select} than step {t.selection.best.step}'s"
+                )
+                if t.env.is_main:
+                    bar.write(message)
+                    log.info(message)
+                result["stopped_early"] = True
+                break
+        bar.close()
+        if t.tier_metrics is not None:
+            t.tier_metrics.training_done()
+        if not result.get("stopped_early") or last is None or last.step != t.step:
+            # Drain the pipeline's prefetched batches (none remain: the iterator stops at train.steps).
+            last = self.evaluation(pipeline, bar)
+        if tcfg.checkpoint_every and t.saved_step != t.step:
+            t.save()
+        result.update(
+            auc=last.auc,
+            logloss=last.logloss,
+            steps=t.step,
+            samples=t.step * tcfg.batch_size,  # the whole run's, resumed parts included
+            samples_this_process=trained_samples,
+            samples_per_s=trained_samples / train_time if train_time else math.nan,
+            train_seconds=train_time,
+        )
+        return result
