@@ -48,17 +48,19 @@ class StageSpec:
         sync_with_consumer: on CUDA, the stage's stream waits, before each batch, for all the work the
             consumer enqueued on its stream up to the batch it last finished (the stage writes device
             state that the consumer's kernels read, e.g. slots freed by released pins). Free on CPU.
-        nice: added to the stage thread's nice value (0..19; Linux, where nice is per thread; ignored
-            elsewhere and in SEQUENTIAL mode). Where the workers and the consumer share too few cores, the
-            scheduler then preempts the consumer — the training step, the critical path — less often for
-            this stage. Leave it 0 for a stage that must run far ahead (e.g. one feeding a lookahead).
+        on_start: called once on the stage's worker thread before its first batch, e.g. to lower that
+            thread's OS scheduling priority (the TorchRec binding lowers the tier prefetch and device fill
+            threads by ``pipeline.worker_nice``, so that where the workers and the consumer share too few
+            cores the training step, the critical path, is preempted less often). Not called in SEQUENTIAL
+            mode, where every stage runs on the consumer's thread. An exception fails the stage like one
+            raised by ``fn``.
     """
 
     name: str
     fn: Callable[[Any], Any]
     capacity: int = 1
     sync_with_consumer: bool = False
-    nice: int = 0
+    on_start: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -69,8 +71,8 @@ class StageSpec:
             raise ValueError(f"StageSpec.fn must be callable, got {self.fn!r}")
         if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 1:
             raise ValueError(f"StageSpec.capacity must be an int >= 1, got {self.capacity!r}")
-        if not isinstance(self.nice, int) or isinstance(self.nice, bool) or not 0 <= self.nice <= 19:
-            raise ValueError(f"StageSpec.nice must be an int in 0..19, got {self.nice!r}")
+        if self.on_start is not None and not callable(self.on_start):
+            raise ValueError(f"StageSpec.on_start must be None or callable, got {self.on_start!r}")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

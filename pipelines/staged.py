@@ -34,7 +34,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from embedding_store.threads import lower_thread_priority
 from pipelines.config import PipelineConfig, PipelineMode, StageSpec
 from pipelines.device import DeviceContext, Event
 from pipelines.timeline import Timeline, stall_warning
@@ -343,7 +342,8 @@ class StagedPipeline:
             batch = -1
             try:
                 self.device.bind_thread()
-                lower_thread_priority(spec.nice)
+                if spec.on_start is not None:
+                    spec.on_start()
                 stream = self.device.new_stream()
                 while True:
                     # room downstream first: holding an input we cannot pass on would let the

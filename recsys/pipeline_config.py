@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from embedding_store.threads import lower_thread_priority
 from pipelines import PipelineMode
 
 __all__ = ["PipelineSection"]
@@ -44,3 +45,8 @@ class PipelineSection:
             raise ValueError(f"worker_nice must be in 0..19, got {self.worker_nice}")
         if self.frozen_windows < 1:
             raise ValueError(f"frozen_windows must be >= 1, got {self.frozen_windows}")
+
+    def lower_worker_priority(self) -> None:
+        """Lower the calling thread's OS priority by ``worker_nice`` (the ``on_start`` of the tier prefetch
+        and device fill stages)."""
+        lower_thread_priority(self.worker_nice)

@@ -26,16 +26,18 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from embedding_store import OptimizerKind
 from embedding_store.init import init_rows
-from recsys.sparse import ShardingKind, SparseConfig, SparseOptimizer
+from recsys.sparse import ShardingKind, SparseConfig
 from recsys.train_config import DenseOptimizer, TrainConfig
 
 __all__ = ["LocalShard", "shard_model", "build_optimizer", "local_shards", "init_embedding_rows", "ebc_path"]
 
+# The TorchRec binding's one mapping: the store's optimizer kinds to FBGEMM's fused optimizers.
 _FUSED_OPT = {
-    SparseOptimizer.EXACT_ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    SparseOptimizer.EXACT_ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
-    SparseOptimizer.EXACT_SGD: EmbOptimType.EXACT_SGD,
+    OptimizerKind.EXACT_ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    OptimizerKind.EXACT_ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
+    OptimizerKind.EXACT_SGD: EmbOptimType.EXACT_SGD,
 }
 
 
@@ -70,7 +72,7 @@ def shard_model(
     pg = pg or dist.group.WORLD
     world_size = dist.get_world_size(pg)
     fused_params = {"optimizer": _FUSED_OPT[sparse.optimizer], "learning_rate": sparse.learning_rate}
-    if sparse.optimizer is not SparseOptimizer.EXACT_SGD:
+    if sparse.optimizer is not OptimizerKind.EXACT_SGD:
         fused_params["eps"] = sparse.eps
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
     path = ebc_path(model)

@@ -5,15 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["SparseOptimizer", "ShardingKind", "SparseConfig"]
+from embedding_store import OptimizerKind
 
-
-class SparseOptimizer(enum.Enum):
-    """Fused FBGEMM optimizers that run on CPU and GPU; each keeps its state per row."""
-
-    EXACT_ROWWISE_ADAGRAD = "exact_rowwise_adagrad"  # one float of state per row
-    EXACT_ADAGRAD = "exact_adagrad"  # embedding_dim floats of state per row
-    EXACT_SGD = "exact_sgd"  # no state
+__all__ = ["ShardingKind", "SparseConfig"]
 
 
 class ShardingKind(enum.Enum):
@@ -26,7 +20,9 @@ class SparseConfig:
     """Embedding tables (section ``[sparse]``).
 
     Attributes:
-        optimizer: fused optimizer applied inside the backward of the embedding lookups.
+        optimizer: fused optimizer applied inside the backward of the embedding lookups, one the store
+            knows (``embedding_store.OptimizerKind``: its state per row travels with the row); FBGEMM runs
+            all three on CPU and GPU (``recsys.sharding`` maps them to FBGEMM's ``EmbOptimType``).
         learning_rate: learning rate of the fused optimizer.
         eps: epsilon of the Adagrad variants.
         sharding: ``table_wise`` or ``row_wise`` placement across ranks.
@@ -34,7 +30,7 @@ class SparseConfig:
         max_rows_per_table: rows of an in-memory table; ids of a larger id space are taken modulo this.
     """
 
-    optimizer: SparseOptimizer = SparseOptimizer.EXACT_ROWWISE_ADAGRAD
+    optimizer: OptimizerKind = OptimizerKind.EXACT_ROWWISE_ADAGRAD
     learning_rate: float = 0.05
     eps: float = 1e-8
     sharding: ShardingKind = ShardingKind.TABLE_WISE

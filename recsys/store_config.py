@@ -10,10 +10,6 @@ from pathlib import Path
 from embedding_store import PolicyKind
 from recsys.errors import UserError
 
-# Transitional, not part of this module: recsys/tiered.py imports PipelineSection from here until its
-# import line names recsys.pipeline_config (issue #17); delete this import then.
-from recsys.pipeline_config import PipelineSection  # noqa: F401
-
 __all__ = [
     "StoreSection",
     "TableCapacity",

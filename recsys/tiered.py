@@ -34,7 +34,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store import (
     LmdbOptions,
-    OptimizerKind,
     PolicyKind,
     ShardDirectory,
     StoreConfig,
@@ -49,24 +48,20 @@ from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, Stag
 from recsys.data.batch import Batch
 from recsys.distributed import collective_timeout
 from recsys.errors import UserError
+from recsys.pipeline_config import PipelineSection
 from recsys.routing import DistExchange, Exchange, Ownership, RoutedIds, Router, values_by_feature
 from recsys.sharding import local_shards
-from recsys.sparse import ShardingKind, SparseConfig, SparseOptimizer
-from recsys.store_config import PipelineSection, StoreSection, resolve_capacities
+from recsys.sparse import ShardingKind, SparseConfig
+from recsys.store_config import StoreSection, resolve_capacities
 
 __all__ = ["TieredTables", "RoutedBatch", "row_bytes", "tiered_feed"]
 
-_OPTIMIZER = {
-    SparseOptimizer.EXACT_SGD: OptimizerKind.EXACT_SGD,
-    SparseOptimizer.EXACT_ADAGRAD: OptimizerKind.EXACT_ADAGRAD,
-    SparseOptimizer.EXACT_ROWWISE_ADAGRAD: OptimizerKind.EXACT_ROWWISE_ADAGRAD,
-}
 TRAIN, EVAL = "train", "eval"
 
 
 def row_bytes(sparse: SparseConfig, dim: int) -> int:
     """Bytes of one row of a tiered table: ``dim`` float32 weights plus the optimizer's per-row state."""
-    return 4 * (dim + _OPTIMIZER[sparse.optimizer].state_floats(dim))
+    return 4 * (dim + sparse.optimizer.state_floats(dim))
 
 
 def _lmdb_options(max_bytes: int) -> LmdbOptions:
@@ -150,7 +145,7 @@ class TieredTables:
                 TableSpec(
                     name=name,
                     dim=configs[name].embedding_dim,
-                    optimizer=_OPTIMIZER[sparse.optimizer],
+                    optimizer=sparse.optimizer,
                     init_scale=sparse.init_scale,
                     num_embeddings=num_embeddings_for(tiered[name]),
                     device_capacity_rows=shards[name].weight.shape[0],
@@ -381,9 +376,13 @@ def tiered_feed(
     stages = [
         StageSpec(name=Stage.ROUTE, fn=route, capacity=max(1, lookahead - 1)),
         # load and route keep the training thread's priority: they must run far ahead to feed the lookahead
-        StageSpec(name=Stage.PREFETCH, fn=prefetch, capacity=1, nice=section.worker_nice),
+        StageSpec(name=Stage.PREFETCH, fn=prefetch, capacity=1, on_start=section.lower_worker_priority),
         StageSpec(
-            name=Stage.FILL, fn=tables.fill, capacity=1, sync_with_consumer=True, nice=section.worker_nice
+            name=Stage.FILL,
+            fn=tables.fill,
+            capacity=1,
+            sync_with_consumer=True,
+            on_start=section.lower_worker_priority,
         ),
     ]
     config = PipelineConfig(mode=section.mode, source_name=Stage.LOAD, trace_batches=section.trace_batches)

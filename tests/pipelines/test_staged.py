@@ -82,15 +82,24 @@ def test_sequential_mode_runs_inline_one_batch_at_a_time():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 @pytest.mark.parametrize("mode", list(PipelineMode))
-def test_stage_nice_lowers_that_stage_threads_priority_only(mode: PipelineMode):
-    """Pipelined: stage "a" runs at the consumer's nice + 3, the source and stage "b" (nice 0) at the
-    consumer's; sequential runs every stage inline, so nothing changes; the consumer's never changes."""
+def test_on_start_runs_once_on_its_stage_thread_only(mode: PipelineMode):
+    """Pipelined: stage "a"'s hook runs once, on a's worker before its first batch (here: nice + 3), so
+    the source and stage "b" keep the consumer's priority; sequential runs every stage inline on the
+    consumer's thread and never calls it; the consumer's priority never changes."""
 
     def nice_now() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     base = nice_now()
     seen: dict[str, set[int]] = {"source": set(), "a": set(), "b": set()}
+    calls: list[int] = []  # the threads the hook ran on
+    a_threads: set[int] = set()
+
+    def lower_by_3() -> None:
+        assert not a_threads  # before stage a's first batch
+        calls.append(threading.get_ident())
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, nice_now() + 3))
 
     def src():
         for i in range(4):
@@ -100,18 +109,21 @@ def test_stage_nice_lowers_that_stage_threads_priority_only(mode: PipelineMode):
     def stage(name: str):
         def fn(item: tuple[int, int]) -> tuple[int, int]:
             seen[name].add(nice_now())
+            if name == "a":
+                a_threads.add(threading.get_ident())
             return item
 
         return fn
 
-    stages = [StageSpec(name="a", fn=stage("a"), nice=3), StageSpec(name="b", fn=stage("b"))]
+    stages = [StageSpec(name="a", fn=stage("a"), on_start=lower_by_3), StageSpec(name="b", fn=stage("b"))]
     with StagedPipeline(src(), stages, config=PipelineConfig(mode=mode), device=CPU) as pipe:
         assert [b for b, _ in pipe] == list(range(4))
-    lowered = min(19, base + 3) if mode is PipelineMode.PIPELINED else base
-    assert seen == {"source": {base}, "a": {lowered}, "b": {base}}
+    pipelined = mode is PipelineMode.PIPELINED
+    assert calls == ([*a_threads] if pipelined else [])
+    assert seen == {"source": {base}, "a": {min(19, base + 3) if pipelined else base}, "b": {base}}
     assert nice_now() == base
-    with pytest.raises(ValueError, match="StageSpec.nice must be an int in 0..19, got 20"):
-        StageSpec(name="c", fn=stage("a"), nice=20)
+    with pytest.raises(ValueError, match="StageSpec.on_start must be None or callable, got 3"):
+        StageSpec(name="c", fn=stage("a"), on_start=3)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("capacities, source_capacity", [([1, 1, 1], 1), ([3, 1, 2], 2), ([1, 4], 3)])

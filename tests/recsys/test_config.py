@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+
 import pytest
 
 from recsys.config import ConfigError, config_from_dict, config_to_dict, load_config, parse_override
@@ -84,3 +88,22 @@ def test_unknown_data_source_is_a_user_error():
     cfg = config_from_dict({"data": {"source": "nowhere"}})
     with pytest.raises(UserError, match="unknown data source 'nowhere'; valid: synthetic"):
         build_dataset(cfg.data, synthetic=cfg.synthetic, seed=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_pipeline_section_lowers_the_calling_threads_priority_by_worker_nice():
+    """The ``on_start`` of the tier prefetch and device fill stages (``recsys.tiered.tiered_feed``)."""
+    section = config_from_dict({}, ["pipeline.worker_nice=4"]).pipeline
+    seen: list[tuple[int, int]] = []
+
+    def worker() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        section.lower_worker_priority()
+        seen.append((before, os.getpriority(os.PRIO_PROCESS, tid)))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    ((before, after),) = seen
+    assert after == min(19, before + 4)
