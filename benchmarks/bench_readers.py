@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recsys.data.criteo import CriteoParser  # noqa: E402
 from recsys.data.issues import OnError  # noqa: E402
-from recsys.data.row_sources import TextSource  # noqa: E402
+from recsys.data.row_sources import TextReading, TextSource  # noqa: E402
 
 
 def _chunk_of_lines(rows: int, seed: int) -> bytes:
@@ -76,16 +76,9 @@ CHUNK_KIB: int | None = None  # --chunk-kib; None: the reader's default
 
 
 def _source(path: Path, workers: int, processes: bool | str = "auto") -> TextSource:
-    extra = {} if CHUNK_KIB is None else {"chunk_bytes": CHUNK_KIB << 10}
-    return TextSource(
-        [path],
-        CriteoParser(),
-        header=False,
-        on_error=OnError.RAISE,
-        workers=workers,
-        processes=processes,
-        **extra,
-    )
+    chunk_bytes = None if CHUNK_KIB is None else CHUNK_KIB << 10
+    reading = TextReading(chunk_bytes=chunk_bytes, workers=workers, processes=processes)
+    return TextSource([path], CriteoParser(), on_error=OnError.RAISE, reading=reading)
 
 
 def read_ours(path: Path, workers: int, processes: bool | str = "auto") -> tuple[int, float]:

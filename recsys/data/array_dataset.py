@@ -21,7 +21,7 @@ class ArrayDataset(SplitDataset):
 
     Args:
         train, eval: the splits as :class:`Block` (or use :meth:`from_arrays`).
-        feature_names, id_spaces: one per sparse feature.
+        features: each sparse feature's id space, in the order of the blocks' id columns.
         seed: fixes the per-epoch shuffle.
         shuffle: shuffle the training rows each epoch.
 
@@ -38,14 +38,13 @@ class ArrayDataset(SplitDataset):
         train: Block,
         eval: Block,
         *,
-        feature_names: list[str],
-        id_spaces: list[int],
+        features: dict[str, int],
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
         self._train: MemorySource = MemorySource(train)
         self._eval = MemorySource(eval)
-        self._names, self._spaces = list(feature_names), list(id_spaces)
+        self._names, self._spaces = list(features), list(features.values())
         self.seed, self.shuffle = seed, shuffle
 
     @classmethod
@@ -71,8 +70,7 @@ class ArrayDataset(SplitDataset):
         return cls(
             block.slice(0, cut),
             block.slice(cut, n),
-            feature_names=list(ids),
-            id_spaces=[id_spaces[k] for k in ids],
+            features={k: id_spaces[k] for k in ids},
             seed=seed,
             shuffle=shuffle,
         )

@@ -25,7 +25,7 @@ __all__ = ["criteo_tsv_to_npy", "write_npy"]
 
 
 def _criteo_source(path: Path, on_error: OnError, has_label: bool) -> TextSource:
-    return TextSource([path], CriteoParser(has_label), header=False, on_error=on_error)
+    return TextSource([path], CriteoParser(has_label), on_error=on_error)
 
 
 def write_npy(

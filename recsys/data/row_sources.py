@@ -12,6 +12,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +25,16 @@ from recsys.data.parallel import ProcessParsePool, picklable, process_pool_avail
 from recsys.data.spec import DenseSpec, Transform
 from recsys.errors import UserError
 
-__all__ = ["RowSource", "TextSource", "NpySource", "MemorySource", "ParquetSource", "ChunkParser", "rebatch"]
+__all__ = [
+    "RowSource",
+    "TextReading",
+    "TextSource",
+    "NpySource",
+    "MemorySource",
+    "ParquetSource",
+    "ChunkParser",
+    "rebatch",
+]
 
 # (data, first line, issues) -> (block, order key or None)
 ChunkParser = Callable[[bytes, int, Issues], tuple[Block, np.ndarray | None]]
@@ -35,6 +45,28 @@ class RowSource(Protocol):
 
     def blocks(self, *, skip_rows: int = 0) -> Iterator[Block]:
         """One pass over the rows, starting after the first ``skip_rows``."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TextReading:
+    """How a :class:`TextSource` reads its files.
+
+    Attributes:
+        header: each file starts with a header line, which is not data.
+        chunk_bytes: bytes of whole lines parsed at a time (None: 1 MiB with processes, 512 KiB with threads).
+        workers: parsers running ahead of the reader.
+        processes: parse in processes (True), threads (False), or ``"auto"``: processes for passes over
+            at least :data:`TextSource.PROCESS_MIN_BYTES` when the parser can be pickled.
+    """
+
+    header: bool = False
+    chunk_bytes: int | None = None
+    workers: int = 2
+    processes: bool | str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.processes not in (True, False, "auto"):
+            raise ValueError(f"processes must be True, False or 'auto', got {self.processes!r}")
 
 
 class TextSource:
@@ -55,23 +87,19 @@ class TextSource:
         files: list[Path],
         parse: ChunkParser,
         *,
-        header: bool,
         on_error: OnError,
         lines: tuple[int, int | None] = (0, None),
-        chunk_bytes: int | None = None,
-        workers: int = 2,
-        processes: bool | str = "auto",
+        reading: TextReading | None = None,
     ) -> None:
-        if processes not in (True, False, "auto"):
-            raise ValueError(f"processes must be True, False or 'auto', got {processes!r}")
+        reading = reading or TextReading()
         self.files = files
         self.parse = parse
-        self.header = header
+        self.header = reading.header
         self.on_error = on_error
         self.lo, self.hi = lines
-        self._chunk_bytes = chunk_bytes
-        self.workers = workers
-        self.processes = processes
+        self._chunk_bytes = reading.chunk_bytes
+        self.workers = reading.workers
+        self.processes = reading.processes
         self.issues = {str(p): Issues(str(p), on_error) for p in files}
         self._line_counts: list[int] | None = None
         self._rows: int | None = None

@@ -22,7 +22,7 @@ from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
 from recsys.data.epochs import SplitDataset
 from recsys.data.fields import split_fields
 from recsys.data.issues import Issues, OnError, Problems
-from recsys.data.row_sources import MemorySource, NpySource, ParquetSource, RowSource, TextSource
+from recsys.data.row_sources import MemorySource, NpySource, ParquetSource, RowSource, TextReading, TextSource
 from recsys.data.spec import DatasetSpec, Format, JoinSpec, inside_root, path_problem, quoted
 from recsys.data.split import SplitKeys, check_split_columns, merge_keys, row_keys, split_rows
 from recsys.data.stats import SplitStats, stats_of_source
@@ -164,7 +164,7 @@ class SpecDataset(SplitDataset):
         spec = self.spec
         if spec.format is Format.CRITEO_TSV:
             parse = CriteoParser(spec.read.has_label, tuple(spec.id_space(s) for s in spec.sparse))
-            return TextSource(files, parse, header=False, on_error=self.on_error, lines=rows)
+            return TextSource(files, parse, on_error=self.on_error, lines=rows)
         if spec.format is Format.TORCHREC_NPY:
             return NpySource(files, rows=rows, on_error=self.on_error, dense=spec.dense)
         if spec.format is Format.PARQUET:
@@ -194,7 +194,13 @@ class SpecDataset(SplitDataset):
         columns = self._column_names(files[0], delimiter)
 
         parse = TextParser(spec, delimiter, columns, self._sides)
-        return TextSource(files, parse, header=self.spec.read.header, on_error=self.on_error, lines=rows)
+        return TextSource(
+            files,
+            parse,
+            on_error=self.on_error,
+            lines=rows,
+            reading=TextReading(header=self.spec.read.header),
+        )
 
     def _delimiter(self) -> bytes:
         return self.spec.read.delimiter.encode() if self.spec.format is not Format.RECBOLE else b"\t"

@@ -13,7 +13,7 @@ from recsys.cli import main
 from recsys.data.chunks import count_lines, count_newlines, iter_chunks
 from recsys.data.criteo import CriteoParser, parse_criteo
 from recsys.data.issues import Issues, OnError
-from recsys.data.row_sources import TextSource
+from recsys.data.row_sources import TextReading, TextSource
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.synthetic import SyntheticConfig
 from tests.recsys.data.conftest import criteo_lines, criteo_oracle
@@ -71,7 +71,7 @@ def test_chunked_and_gzip_streams_match_oracle(criteo_file, tmp_path, chunk_byte
     gz.write_bytes(gzip.compress(path.read_bytes()))
     for f in (path, gz):
         source = TextSource(
-            [f], CriteoParser(), header=False, on_error=OnError.RAISE, chunk_bytes=chunk_bytes
+            [f], CriteoParser(), on_error=OnError.RAISE, reading=TextReading(chunk_bytes=chunk_bytes)
         )
         blocks = list(source.blocks())
         assert len(blocks) > 1 or chunk_bytes > 10**5

@@ -13,7 +13,7 @@ from recsys.data.block import Block
 from recsys.data.criteo import CriteoParser
 from recsys.data.issues import Issues, MalformedInputError, OnError
 from recsys.data.parallel import ProcessParsePool
-from recsys.data.row_sources import TextSource
+from recsys.data.row_sources import TextReading, TextSource
 from tests.recsys.data.conftest import criteo_lines, criteo_oracle
 
 
@@ -24,9 +24,8 @@ def _same_blocks(a: Block, b: Block) -> None:
 
 
 def _source(path, *, processes, on_error=OnError.RAISE, chunk_bytes=9973) -> TextSource:
-    return TextSource(
-        [path], CriteoParser(), header=False, on_error=on_error, chunk_bytes=chunk_bytes, processes=processes
-    )
+    reading = TextReading(chunk_bytes=chunk_bytes, processes=processes)
+    return TextSource([path], CriteoParser(), on_error=on_error, reading=reading)
 
 
 def test_processes_give_the_oracle_rows_in_file_order(criteo_file):
@@ -84,7 +83,7 @@ def test_auto_uses_processes_only_for_big_files_and_picklable_parsers(criteo_fil
     def closure(data, first, issues):  # not picklable: threads, and still correct
         return CriteoParser()(data, first, issues)
 
-    source = TextSource([path], closure, header=False, on_error=OnError.RAISE, processes="auto")
+    source = TextSource([path], closure, on_error=OnError.RAISE, reading=TextReading(processes="auto"))
     assert not source.use_processes()
     assert source.num_rows() == sum(b.num_rows for b in source.blocks())
 
