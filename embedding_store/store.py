@@ -34,7 +34,7 @@ from embedding_store.snapshot import publish_snapshot
 from embedding_store.stats import StoreStats, TierStats
 from embedding_store.tiered_table import PrefetchPlan, TieredTable
 from embedding_store.tiers import FutureIds
-from embedding_store.writer import WriteBehind
+from embedding_store.writer import WriteBehind, WriterSettings
 
 __all__ = ["TieredStore"]
 
@@ -120,14 +120,15 @@ class TieredStore:
         except BaseException:
             self._release_dir_lock()
             raise
-        self._writer = WriteBehind(
-            self._backend,
-            batch_rows=config.lmdb.writer_batch_rows,
-            max_pending_rows=config.lmdb.writer_max_pending_rows,
-            min_batch_rows=config.lmdb.writer_min_batch_rows or max(1, config.lmdb.writer_batch_rows // 2),
-            linger_s=config.lmdb.writer_linger_s,
-            nice=config.lmdb.writer_nice,
+        lmdb = config.lmdb
+        writer = WriterSettings(
+            batch_rows=lmdb.writer_batch_rows,
+            max_pending_rows=lmdb.writer_max_pending_rows,
+            min_batch_rows=lmdb.writer_min_batch_rows or max(1, lmdb.writer_batch_rows // 2),
+            linger_s=lmdb.writer_linger_s,
+            nice=lmdb.writer_nice,
         )
+        self._writer = WriteBehind(self._backend, writer)
         self._tables = {t.name: TieredTable(t, config, self._backend, self._writer) for t in tables}
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)

@@ -20,7 +20,7 @@ from embedding_store.errors import StoreError
 from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.threads import lower_thread_priority
 
-__all__ = ["WriteBehind"]
+__all__ = ["WriteBehind", "WriterSettings"]
 
 
 @dataclass(slots=True)
@@ -30,6 +30,25 @@ class _Pending:
     rows: np.ndarray  # (N, R) float32
     done: int = 0  # leading rows already committed (a large submission goes in several transactions)
     submitted: float = 0.0  # time.monotonic() of the submit
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class WriterSettings:
+    """When a :class:`WriteBehind` commits.
+
+    Attributes:
+        batch_rows: most rows per transaction.
+        max_pending_rows: ``submit`` blocks while more rows than this wait (bounds memory).
+        min_batch_rows: rows to gather before a transaction starts (capped at the two above).
+        linger_s: longest a submitted row waits for others before a transaction starts.
+        nice: added to the writer thread's nice value (see ``LmdbOptions.writer_nice``).
+    """
+
+    batch_rows: int
+    max_pending_rows: int
+    min_batch_rows: int = 1
+    linger_s: float = 0.0
+    nice: int = 0
 
 
 class WriteBehind:
@@ -42,29 +61,18 @@ class WriteBehind:
 
     Args:
         backend: where rows go.
-        batch_rows: most rows per transaction.
-        max_pending_rows: ``submit`` blocks while more rows than this wait (bounds memory).
-        min_batch_rows: rows to gather before a transaction starts (capped at the two above).
-        linger_s: longest a submitted row waits for others before a transaction starts.
-        nice: added to the writer thread's nice value (see ``LmdbOptions.writer_nice``).
+        settings: when to commit (transaction sizes, waiting, the thread's priority).
     """
 
-    def __init__(
-        self,
-        backend: LmdbBackend,
-        *,
-        batch_rows: int,
-        max_pending_rows: int,
-        min_batch_rows: int = 1,
-        linger_s: float = 0.0,
-        nice: int = 0,
-    ) -> None:
+    def __init__(self, backend: LmdbBackend, settings: WriterSettings) -> None:
         self._backend = backend
-        self._batch_rows = batch_rows
-        self._max_pending_rows = max_pending_rows
-        self._start_rows = max(1, min(min_batch_rows, batch_rows, max_pending_rows))
-        self._linger_s = linger_s
-        self._nice = nice
+        self._batch_rows = settings.batch_rows
+        self._max_pending_rows = settings.max_pending_rows
+        self._start_rows = max(
+            1, min(settings.min_batch_rows, settings.batch_rows, settings.max_pending_rows)
+        )
+        self._linger_s = settings.linger_s
+        self._nice = settings.nice
         self._drains = 0  # callers waiting in drain(): commit at once
         self._cond = threading.Condition()
         self._pending: deque[_Pending] = deque()  # oldest first; committed entries leave from the left

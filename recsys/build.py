@@ -26,9 +26,10 @@ from recsys.data.source import Dataset, build_dataset
 from recsys.distributed import DistEnv
 from recsys.errors import UserError
 from recsys.models import TrainModel, build_model, table_configs
+from recsys.routing import tiered_features
 from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
 from recsys.sparse import ShardingKind
-from recsys.tiered import TieredTables, row_bytes, tiered_feed
+from recsys.tiered import TieredTables, TierPlan, row_bytes, tiered_feed
 from recsys.windows import enable_frozen_windows
 
 __all__ = ["ModelParts", "TrainSpec", "build_parts", "fold_ids", "progress_bar"]
@@ -54,7 +55,8 @@ class TrainSpec:
     """The builders of a trainer's replaceable parts.
 
     Attributes:
-        tables: builds the tier binding of one rank; called as :class:`~recsys.tiered.TieredTables` is.
+        tables: builds the tier binding of one rank: ``tables(dmp, table_configs, plan=TierPlan)``, as
+            :class:`~recsys.tiered.TieredTables` is called.
         feed: builds the nested pipeline that feeds tiered tables; called as
             :func:`~recsys.tiered.tiered_feed` is.
         progress: builds the progress bar of a fit; called as :func:`progress_bar` is.
@@ -103,18 +105,6 @@ def fold_ids(batch: Batch, modulus: list[int]) -> Batch:
     return Batch(dense=batch.dense, sparse=sparse, labels=batch.labels)
 
 
-def tiered_features(config: RunConfig, features: list[str]) -> list[str]:
-    """The features whose tables are tiered, in feature order."""
-    store = config.store
-    if not store.tiered:
-        return []
-    unknown = sorted(set(store.tables) - set(features))
-    if unknown:
-        raise UserError(f"store.tables names unknown features {unknown}; features are {features}")
-    chosen = set(store.tables) or set(features)
-    return [f for f in features if f in chosen]
-
-
 def _warn_folded(cfg: RunConfig, features: list[str], spaces: list[int], fold: list[int]) -> None:
     """One warning when an untiered run folds ids that its tiered twin would keep apart."""
     if cfg.store.tiered:
@@ -144,7 +134,7 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     cfg = config
     data = build_dataset(cfg.data, synthetic=cfg.synthetic, seed=cfg.train.seed)
     features = data.feature_names
-    tiered = tiered_features(cfg, features)
+    tiered = tiered_features(cfg.store, features)
     capacities = Capacities.resolve(cfg.store, tiered, row_bytes=row_bytes(cfg.sparse, cfg.model.table_dim))
     owners = env.world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
     num_embeddings = [
@@ -177,15 +167,13 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     binding = None
     if tiered:
         store_path = Path(cfg.store.path) if cfg.store.path else out_dir / "store"
-        binding = spec.tables(
-            dmp,
-            tables,
-            tiered={
-                f"t_{f}": space for f, space in zip(features, data.id_spaces, strict=True) if f in tiered
-            },
-            settings=(cfg.store, cfg.sparse, cfg.train.seed),
+        plan = TierPlan.from_config(
+            cfg,
+            id_spaces={f"t_{f}": n for f, n in zip(features, data.id_spaces, strict=True) if f in tiered},
+            capacities=capacities,
             path=store_path,
         )
+        binding = spec.tables(dmp, tables, plan=plan)
     return ModelParts(
         data=data,
         fold=fold,

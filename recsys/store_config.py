@@ -15,7 +15,6 @@ __all__ = [
     "TableCapacity",
     "load_tune",
     "parse_size",
-    "resolve_capacities",
     "rows_of",
 ]
 
@@ -143,34 +142,3 @@ def load_tune(path: str | Path) -> dict[str, dict[str, object]]:
         raise UserError(f"store.capacities_from: file not found: {path}") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise UserError(f"store.capacities_from = {str(path)!r} is not a tune.json: {err}") from None
-
-
-def resolve_capacities(
-    store: StoreSection, features: list[str], row_bytes: int
-) -> dict[str, tuple[int, int]]:
-    """``(device_rows, host_rows)`` per tiered feature: ``[store.capacity]``, else ``capacities_from``,
-    else ``device_rows``/``host_rows``.
-
-    Raises:
-        UserError: a capacity names a feature that is not tiered, or is out of range.
-    """
-    unknown = sorted(set(store.capacity) - set(features))
-    if unknown:
-        raise UserError(f"store.capacity names features that are not tiered: {unknown}; tiered: {features}")
-    tuned = load_tune(store.capacities_from) if store.capacities_from else {}
-    out = {}
-    for f in features:
-        device, host = store.device_rows, store.host_rows
-        if f in tuned:
-            device, host = int(tuned[f]["device_rows"]), int(tuned[f]["host_rows"])  # type: ignore[call-overload]
-        cap = store.capacity.get(f)
-        if cap is not None:
-            device = device if cap.device is None else rows_of(cap.device, row_bytes)
-            host = host if cap.host is None else rows_of(cap.host, row_bytes)
-        if device < 1:
-            raise UserError(
-                f"store.capacity.{f}.device = {cap.device if cap else device!r} is less than one row "
-                f"({row_bytes} bytes each)"
-            )
-        out[f] = (device, host)
-    return out

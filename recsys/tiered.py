@@ -34,7 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store import (
     LmdbOptions,
-    PolicyKind,
+    OptimizerKind,
     ShardDirectory,
     StoreConfig,
     StoreLockedError,
@@ -45,6 +45,8 @@ from embedding_store import (
     snapshot_chunks,
 )
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
+from recsys.capacities import Capacities
+from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.distributed import collective_timeout
 from recsys.errors import UserError
@@ -52,9 +54,8 @@ from recsys.pipeline_config import PipelineSection
 from recsys.routing import DistExchange, Exchange, Ownership, RoutedIds, Router, values_by_feature
 from recsys.sharding import local_shards
 from recsys.sparse import ShardingKind, SparseConfig
-from recsys.store_config import StoreSection, resolve_capacities
 
-__all__ = ["TieredTables", "RoutedBatch", "row_bytes", "tiered_feed"]
+__all__ = ["TierPlan", "TieredTables", "RoutedBatch", "row_bytes", "tiered_feed"]
 
 TRAIN, EVAL = "train", "eval"
 
@@ -89,32 +90,70 @@ class RoutedBatch:
         return self.ids.owner_ids
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TierPlan:
+    """What a run's tiered tables are, resolved once from the config (:meth:`from_config`).
+
+    Attributes:
+        id_spaces: the tiered tables (one feature each, ``t_<feature>``) with their id spaces, from which
+            the store picks each table's index (``embedding_store.num_embeddings_for``).
+        capacities: each tiered feature's device slots and host rows per owner.
+        store: the store's settings (seed, policy, lookahead, LMDB options).
+        optimizer: the fused optimizer (decides the optimizer state a row carries).
+        init_scale: rows start uniform in [-init_scale, init_scale).
+        row_wise: tables are sharded row-wise (else table-wise).
+        path: this job's store directory; rank r keeps its LMDB in ``path/rank_r``, locked by
+            ``path/rank_r.lock`` while the tables are open.
+    """
+
+    id_spaces: dict[str, int]
+    capacities: Capacities
+    store: StoreConfig
+    optimizer: OptimizerKind
+    init_scale: float
+    row_wise: bool
+    path: Path
+
+    @classmethod
+    def from_config(
+        cls, config: RunConfig, *, id_spaces: dict[str, int], capacities: Capacities, path: Path
+    ) -> TierPlan:
+        """The plan of ``config``'s ``[store]`` and ``[sparse]`` sections for these tables."""
+        section, sparse = config.store, config.sparse
+        return cls(
+            id_spaces=id_spaces,
+            capacities=capacities,
+            store=StoreConfig(
+                seed=config.train.seed,
+                device_capacity_rows=section.device_rows,
+                host_capacity_rows=section.host_rows,
+                policy=section.policy,
+                lookahead_batches=section.lookahead,
+                lmdb=_lmdb_options(section.max_lmdb_bytes),
+            ),
+            optimizer=sparse.optimizer,
+            init_scale=sparse.init_scale,
+            row_wise=sparse.sharding is ShardingKind.ROW_WISE,
+            path=path,
+        )
+
+
 class TieredTables:
     """The tiered tables of one rank: its store, its slot shards and the key routing.
 
     Args:
         dmp: the sharded model; the local shards of the tiered slot tables are bound to the store.
         tables: every table config of the model (tiered ones have ``num_embeddings`` = slot capacity).
-        tiered: the tiered tables (one feature each, ``t_<feature>``) with their id spaces, from which
-            the store picks each table's index (``embedding_store.num_embeddings_for``).
-        settings: ``(store section, sparse section, seed)``.
-        path: this job's store directory; rank r keeps its LMDB in ``path/rank_r``, locked by
-            ``path/rank_r.lock`` from here until :meth:`close`.
+        plan: the tiered tables, their tiers' sizes and the store's settings.
     """
 
     def __init__(
-        self,
-        dmp: DistributedModelParallel,
-        tables: list[EmbeddingBagConfig],
-        *,
-        tiered: dict[str, int],
-        settings: tuple[StoreSection, SparseConfig, int],
-        path: Path,
+        self, dmp: DistributedModelParallel, tables: list[EmbeddingBagConfig], *, plan: TierPlan
     ) -> None:
-        store_cfg, sparse, seed = settings
+        tiered = plan.id_spaces
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.row_wise = sparse.sharding is ShardingKind.ROW_WISE
+        self.row_wise = plan.row_wise
         self.names = list(tiered)
         self.feature = {t.name: t.feature_names[0] for t in tables if t.name in tiered}
         configs = {t.name: t for t in tables if t.name in tiered}
@@ -134,37 +173,25 @@ class TieredTables:
             groups = (dist.new_group(backend="gloo", timeout=collective_timeout()) for _ in range(3))
             route_pg, fill_pg, eval_pg = (DistExchange(g) for g in groups)
             self._exchanges = {TRAIN: (route_pg, fill_pg), EVAL: (eval_pg, eval_pg)}
-        self.path = path / f"rank_{self.rank}"
+        self.path = plan.path / f"rank_{self.rank}"
         self.store: TieredStore | None = None
-        self._shard = self._claim_shard(path, world)
+        self._shard = self._claim_shard(plan.path, world)
         if shards:
-            features = [self.feature[n] for n in self.names]  # all tiered tables, owned here or not
-            dims = {configs[n].embedding_dim for n in shards}
-            capacities = resolve_capacities(store_cfg, features, row_bytes(sparse, max(dims)))
             specs = [
                 TableSpec(
                     name=name,
                     dim=configs[name].embedding_dim,
-                    optimizer=sparse.optimizer,
-                    init_scale=sparse.init_scale,
+                    optimizer=plan.optimizer,
+                    init_scale=plan.init_scale,
                     num_embeddings=num_embeddings_for(tiered[name]),
                     device_capacity_rows=shards[name].weight.shape[0],
-                    host_capacity_rows=capacities[self.feature[name]][1],
+                    host_capacity_rows=plan.capacities.host_rows[self.feature[name]],
                 )
                 for name in sorted(shards)
             ]
-            self._store_args = dict(
-                config=StoreConfig(
-                    seed=seed,
-                    device_capacity_rows=store_cfg.device_rows,
-                    host_capacity_rows=store_cfg.host_rows,
-                    policy=PolicyKind[store_cfg.policy.name],
-                    lookahead_batches=store_cfg.lookahead,
-                    lmdb=_lmdb_options(store_cfg.max_lmdb_bytes),
-                ),
-                tables=specs,
-            )
+            self._store_args = dict(config=plan.store, tables=specs)
             self._shards = shards
+        self.lookahead = plan.store.lookahead_batches  # batches the routing stage runs ahead
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -351,7 +378,7 @@ def tiered_feed(
     tables: TieredTables,
     source: Iterable[tuple[int, Batch]],
     *,
-    settings: tuple[PipelineSection, int],
+    section: PipelineSection,
     device: torch.device,
     rank: int,
 ) -> StagedPipeline:
@@ -362,7 +389,7 @@ def tiered_feed(
     batches when it picks victims; the fill stage runs one batch ahead of the consumer, whose pins (and
     TorchRec's own two batches in flight) keep every slot in use out of its reach.
     """
-    section, lookahead = settings
+    lookahead = tables.lookahead
 
     def route(item: tuple[int, Batch]) -> RoutedBatch:
         routed = tables.route(*item)

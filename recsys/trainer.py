@@ -169,7 +169,7 @@ class Trainer:
         feed = self.spec.feed(
             self.tiered,
             source,
-            settings=(self.config.pipeline, self.config.store.lookahead),
+            section=self.config.pipeline,
             device=self.env.device,
             rank=self.env.rank,
         )

@@ -11,7 +11,7 @@ import pytest
 
 from embedding_store import LmdbOptions, OptimizerKind, TableSpec
 from embedding_store.lmdb_backend import LmdbBackend
-from embedding_store.writer import WriteBehind
+from embedding_store.writer import WriteBehind, WriterSettings
 
 
 class _Recording(LmdbBackend):
@@ -36,7 +36,7 @@ def test_a_large_submission_commits_in_bounded_transactions_and_stays_readable(t
     rows = rng.standard_normal((ids.shape[0], 4)).astype(np.float32)
     newer = ids[::7]
     newer_rows = rows[::7] + 1.0
-    with WriteBehind(backend, batch_rows=300, max_pending_rows=1 << 20) as writer:
+    with WriteBehind(backend, WriterSettings(batch_rows=300, max_pending_rows=1 << 20)) as writer:
         writer.submit("t", ids, rows)
         writer.submit("t", newer, newer_rows)  # a later eviction of some of the same ids
         want = rows.copy()
@@ -67,7 +67,7 @@ def test_small_evictions_gather_into_one_transaction_until_drained(tmp_path) -> 
     backend.release.set()
     parts = _batches(5, 100)
     with WriteBehind(
-        backend, batch_rows=10_000, max_pending_rows=1 << 20, min_batch_rows=1000, linger_s=60
+        backend, WriterSettings(batch_rows=10_000, max_pending_rows=1 << 20, min_batch_rows=1000, linger_s=60)
     ) as writer:
         for ids, rows in parts:
             writer.submit("t", ids, rows)
@@ -94,7 +94,8 @@ def test_a_lingering_row_is_committed_without_a_drain(tmp_path) -> None:
     backend.release.set()
     ((ids, rows),) = _batches(1, 10)
     with WriteBehind(
-        backend, batch_rows=10_000, max_pending_rows=1 << 20, min_batch_rows=1000, linger_s=0.2
+        backend,
+        WriterSettings(batch_rows=10_000, max_pending_rows=1 << 20, min_batch_rows=1000, linger_s=0.2),
     ) as writer:
         writer.submit("t", ids, rows)
         for _ in range(100):  # up to 5 s
@@ -120,7 +121,7 @@ def test_the_writer_thread_runs_at_a_lower_priority_only(tmp_path) -> None:
     put_rows = backend.put_rows
     backend.put_rows = lambda writes: (seen.append(nice_of(threading.get_native_id())), put_rows(writes))  # type: ignore[method-assign]
     ((ids, rows),) = _batches(1, 10)
-    with WriteBehind(backend, batch_rows=100, max_pending_rows=1000, nice=4) as writer:
+    with WriteBehind(backend, WriterSettings(batch_rows=100, max_pending_rows=1000, nice=4)) as writer:
         writer.submit("t", ids, rows)
         writer.drain()
     assert seen == [min(19, base + 4)] and nice_of(me) == base

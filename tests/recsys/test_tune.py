@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from recsys.capacities import Capacities
 from recsys.cli import main
 from recsys.config import ConfigError, load_config
-from recsys.store_config import parse_size, resolve_capacities
+from recsys.store_config import parse_size
 
 # Three tiered tables of different id spaces: an even split of the budgets is far from the best one.
 CONFIG = """
@@ -62,8 +63,12 @@ def test_sizes_and_capacity_errors(tmp_path):
     cfg = load_config(
         write_config(tmp_path), ['store.capacity={cat_0={device=100, host="3600B"}, cat_2={device="36KiB"}}']
     )
-    caps = resolve_capacities(cfg.store, ["cat_0", "cat_1", "cat_2"], row_bytes=36)
-    assert caps == {"cat_0": (100, 100), "cat_1": (16_384, 65_536), "cat_2": (1024, 65_536)}
+    caps = Capacities.resolve(cfg.store, ["cat_0", "cat_1", "cat_2"], row_bytes=36)
+    assert {f: caps.of(f) for f in caps.device_rows} == {
+        "cat_0": (100, 100),
+        "cat_1": (16_384, 65_536),
+        "cat_2": (1024, 65_536),
+    }
 
 
 def test_capacities_from_a_missing_file_is_a_user_error(tmp_path, repo_root, capsys):
