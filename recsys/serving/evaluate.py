@@ -1,6 +1,6 @@
 """``recsys evaluate``: AUC and log loss of a checkpoint on the held-out split, on any number of ranks.
 
-Each rank builds the trainer's own model for the checkpoint's config (:class:`recsys.train.Trainer`),
+Each rank builds the trainer's own model for the checkpoint's config (:class:`recsys.trainer.Trainer`),
 restores the checkpoint into it — plain tables and dense weights from the rank files, tiered rows from
 the store snapshots copied into a scratch store, re-partitioned when the number of ranks differs — and
 runs :meth:`Trainer.evaluate`, the very code that computed ``summary.json``'s figures. The run directory
