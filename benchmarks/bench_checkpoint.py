@@ -14,51 +14,19 @@ Usage: python benchmarks/bench_checkpoint.py [--rows 4000000] [--host-rows 65536
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shutil
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness import RssPeak, emit, machine_info, run_child, status_kib
 
 from embedding_store import LmdbOptions, OptimizerKind, StoreConfig, TableSpec, TieredStore, restore_resharded
 from embedding_store.lmdb_backend import LmdbBackend
 
 SPEC = TableSpec(name="t", dim=32, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)
 SEED = 0
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-class AnonPeak:
-    """Samples RssAnon in a thread."""
-
-    def __init__(self) -> None:
-        self.peak_kib = _status_kib("RssAnon")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak_kib = max(self.peak_kib, _status_kib("RssAnon"))
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak_kib, _status_kib("RssAnon"))
 
 
 def _config(host_rows: int) -> StoreConfig:
@@ -76,28 +44,28 @@ def build(path: Path, rows: int) -> None:
     backend.close()
 
 
+def every_other_row(table: str, ids: np.ndarray) -> np.ndarray:
+    """The rows a 2-rank row-wise owner keeps: (n,) bool."""
+    return ids % 2 == 0
+
+
 def child(kind: str, src: Path, dest: Path, host_rows: int) -> None:
+    store = None
     if kind == "snapshot":
         store = TieredStore(src, config=_config(host_rows), tables=[SPEC])
         store.bind("t", weights=torch.zeros(1024, SPEC.dim), state=torch.zeros(1024))
-        base_rss, base_anon = _status_kib("VmRSS"), _status_kib("RssAnon")
-        anon = AnonPeak()
-        t0 = time.perf_counter()
-        store.snapshot(dest)
-        seconds = time.perf_counter() - t0
-        peak_anon = anon.stop()
+    base = status_kib("VmRSS", "RssAnon")
+    t0 = time.perf_counter()
+    with RssPeak(("RssAnon",), interval_s=0.005) as anon:  # RssAnon sampled in a thread
+        if store is not None:
+            store.snapshot(dest)
+        else:
+            restore_resharded([src], dest, config=_config(host_rows), tables=[SPEC], keep=every_other_row)
+    seconds = time.perf_counter() - t0
+    if store is not None:
         store.close()
-    else:
-        base_rss, base_anon = _status_kib("VmRSS"), _status_kib("RssAnon")
-        anon = AnonPeak()
-        t0 = time.perf_counter()
-        restore_resharded(
-            [src], dest, config=_config(host_rows), tables=[SPEC], keep=lambda _, ids: ids % 2 == 0
-        )
-        seconds = time.perf_counter() - t0
-        peak_anon = anon.stop()
-    print(json.dumps({"kind": kind, "seconds": seconds, "base_rss_kib": base_rss, "peak_rss_kib": _status_kib("VmHWM"),
-                      "base_anon_kib": base_anon, "peak_anon_kib": peak_anon}))  # fmt: skip
+    emit({"kind": kind, "seconds": seconds, "base_rss_kib": base["VmRSS"], "peak_rss_kib": status_kib("VmHWM")["VmHWM"],
+          "base_anon_kib": base["RssAnon"], "peak_anon_kib": anon.peak["RssAnon"]}, digits=None)  # fmt: skip
 
 
 def main() -> None:
@@ -111,9 +79,7 @@ def main() -> None:
         kind, src, dest = args.child
         child(kind, Path(src), Path(dest), args.host_rows)
         return
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}, torch {torch.__version__}"
-    )
+    emit(machine_info("torch", "numpy"))
     shutil.rmtree(args.dir, ignore_errors=True)
     store, snap, resharded = args.dir / "store", args.dir / "snap", args.dir / "resharded"
     store.mkdir(parents=True)
@@ -124,11 +90,7 @@ def main() -> None:
           f"(LMDB file {(store / 'data.mdb').stat().st_size / 2**20:.0f} MiB); host tier {host_mib:.1f} MiB")  # fmt: skip
     results = {}
     for kind, src, dest in (("snapshot", store, snap), ("reshard", snap, resharded)):
-        out = subprocess.run(
-            [sys.executable, __file__, "--host-rows", str(args.host_rows), "--child", kind, str(src), str(dest)],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = run_child([__file__, "--host-rows", str(args.host_rows), "--child", kind, str(src), str(dest)])
         grow_rss = (r["peak_rss_kib"] - r["base_rss_kib"]) / 1024
         grow_anon = (r["peak_anon_kib"] - r["base_anon_kib"]) / 1024
         print(f"{kind}: {r['seconds']:.1f} s; peak RSS +{grow_rss:.0f} MiB (file pages included), "
@@ -136,7 +98,7 @@ def main() -> None:
         results[f"{kind}_peak_anon_over_table"] = round(grow_anon / table_mib, 4)
         results[f"{kind}_peak_rss_over_table"] = round(grow_rss / table_mib, 4)
     shutil.rmtree(args.dir, ignore_errors=True)
-    print(json.dumps(results))
+    emit(results)
 
 
 if __name__ == "__main__":

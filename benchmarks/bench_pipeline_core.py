@@ -22,26 +22,13 @@ Usage: python benchmarks/bench_pipeline_core.py [--steps 200] [--delays-ms 5,10,
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 from typing import Any
 
-import torch
+from harness import alternate, emit, machine_info
 
 from pipelines import DeviceContext, PipelineConfig, PipelineMode, StagedPipeline, StageSpec
-
-
-def machine_info() -> dict[str, Any]:
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-    }
 
 
 def sleeper(delay_s: float) -> Any:
@@ -94,34 +81,34 @@ def main() -> None:
     delays_s = [float(d) / 1e3 for d in args.delays_ms.split(",")]
     consumer_s = args.consumer_ms / 1e3
 
-    print(json.dumps(machine_info()))
-    runs: dict[str, list[dict[str, Any]]] = {"pipelined": [], "sequential": []}
-    for repeat in range(args.repeats):
-        # alternate the modes so drift in the machine's speed hits both alike
-        for mode in (PipelineMode.PIPELINED, PipelineMode.SEQUENTIAL):
-            trace = args.trace if repeat == 0 and mode is PipelineMode.PIPELINED else None
-            result = run_once(mode, delays_s, consumer_s, args.steps, args.warmup, trace)
-            runs[mode.value].append(result)
-            print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in result.items()}))
+    emit(machine_info("torch"))
+
+    def run(name: str, repeat: int) -> dict[str, Any]:
+        mode = PipelineMode(name)
+        trace = args.trace if repeat == 0 and mode is PipelineMode.PIPELINED else None
+        result = run_once(mode, delays_s, consumer_s, args.steps, args.warmup, trace)
+        emit(result, digits=6)
+        return result
+
+    # the modes alternate (harness.alternate) so drift in the machine's speed hits both alike
+    runs = alternate([PipelineMode.PIPELINED.value, PipelineMode.SEQUENTIAL.value], args.repeats, run)
 
     def median(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[mode])
 
     pipelined_step = median("pipelined", "step_s")
     sequential_step = median("sequential", "step_s")
-    print(
-        json.dumps(
-            {
-                "step_vs_slowest_stage": round(pipelined_step / median("pipelined", "slowest_stage_s"), 4),
-                "sequential_step_vs_sum": round(sequential_step / median("sequential", "sum_stages_s"), 4),
-                "pipelined_vs_sequential": round(sequential_step / pipelined_step, 3),
-                "pipelined_step_ms": round(pipelined_step * 1e3, 3),
-                "sequential_step_ms": round(sequential_step * 1e3, 3),
-                "delays_ms": [*(d * 1e3 for d in delays_s), args.consumer_ms],
-                "steps": args.steps,
-                "repeats": args.repeats,
-            }
-        )
+    emit(
+        {
+            "step_vs_slowest_stage": pipelined_step / median("pipelined", "slowest_stage_s"),
+            "sequential_step_vs_sum": sequential_step / median("sequential", "sum_stages_s"),
+            "pipelined_vs_sequential": sequential_step / pipelined_step,
+            "pipelined_step_ms": pipelined_step * 1e3,
+            "sequential_step_ms": sequential_step * 1e3,
+            "delays_ms": [*(d * 1e3 for d in delays_s), args.consumer_ms],
+            "steps": args.steps,
+            "repeats": args.repeats,
+        }
     )
 
 

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
-import platform
-import resource
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import CpuProbe, Periodic, emit, machine_info, peak_rss_mib  # noqa: E402
 
 from recsys.data.criteo import CriteoParser  # noqa: E402
 from recsys.data.issues import OnError  # noqa: E402
@@ -104,12 +102,6 @@ def read_pyarrow(path: Path) -> tuple[int, float]:
     return table.num_rows, time.perf_counter() - t0
 
 
-def _cpu_seconds() -> float:
-    """CPU time of this process's threads and of its ended child processes (our parser processes)."""
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def _pss_mb(pid: int | str) -> float:
     """Proportional set size: resident pages, each shared page split among the processes sharing it."""
     with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps_rollup") as fh:
@@ -143,12 +135,12 @@ def compare(args: argparse.Namespace) -> dict[str, object]:
                 ("threads", lambda: read_ours(path, args.workers, processes=False)),
                 ("pyarrow", lambda: read_pyarrow(path)),
             ):
-                cpu0 = _cpu_seconds()
-                rows, secs = fn()
-                cpu = _cpu_seconds() - cpu0
-                assert rows == lines, (name, rows, lines)
+                # CPU time of this process's threads and of its ended child processes (our parser processes)
+                with CpuProbe(children=True) as probe:
+                    rows, secs = fn()
+                assert probe.share is not None and rows == lines, (name, rows, lines)
                 best[name] = max(best.get(name, 0.0), rows / secs)
-                best_cpu[name] = max(best_cpu.get(name, 0.0), rows / cpu)
+                best_cpu[name] = max(best_cpu.get(name, 0.0), rows / probe.share.cpu_s)
         for name, rate in best.items():
             print(
                 f"{name:8s} {rate:12,.0f} rows/s  {rate * size_mb / lines:8.1f} MB/s  "
@@ -181,28 +173,19 @@ def rss(args: argparse.Namespace) -> dict[str, object]:
             f"wrote {path.stat().st_size / 1e9:.2f} GB ({lines:,} lines) in {time.perf_counter() - t0:.0f} s"
         )
         samples: list[tuple[int, float]] = []
-        done = threading.Event()
         rows_read = [0]
-
-        def sample() -> None:
-            while not done.wait(0.25):
-                samples.append((rows_read[0], _tree_rss_mb()))
-
         start_rss = _tree_rss_mb()
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
         t0 = time.perf_counter()
-        for block in _source(path, args.workers).blocks():
-            rows_read[0] += block.num_rows
+        with Periodic(lambda: samples.append((rows_read[0], _tree_rss_mb())), 0.25):
+            for block in _source(path, args.workers).blocks():
+                rows_read[0] += block.num_rows
         secs = time.perf_counter() - t0
-        done.set()
-        sampler.join()
         assert rows_read[0] == lines
         by_decile = {}
         for rows, mb in samples:
             by_decile.setdefault(min(9, rows * 10 // lines), []).append(mb)
         deciles = [round(max(by_decile.get(d, [float("nan")])), 1) for d in range(10)]
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = peak_rss_mib()
         print(f"read {lines:,} rows in {secs:.0f} s ({lines / secs:,.0f} rows/s)")
         tree_peak = max(mb for _, mb in samples)
         print(
@@ -240,14 +223,9 @@ def main() -> None:
     args = parser.parse_args()
     global CHUNK_KIB
     CHUNK_KIB = args.chunk_kib
-    import pyarrow
-
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"numpy {np.__version__}, pyarrow {pyarrow.__version__}"
-    )
+    emit(machine_info("numpy", "pyarrow"))
     result = rss(args) if args.rss else compare(args)
-    print(json.dumps(result))
+    emit(result)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -32,6 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# The tests load this file by its path (benchmarks/ is not a package), so its folder may not be on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import emit, machine_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,10 +170,7 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="tierrec-real-data-", dir="/tmp"))
     names = args.only or list(CONFIGS)
-    print(
-        f"# {platform.node()}: {os.cpu_count()} CPUs, python {sys.version.split()[0]}; runs in {out}",
-        flush=True,
-    )
+    emit({**machine_info(), "runs_in": str(out)})
     start = time.perf_counter()
     results = {}
     for name in names:
@@ -184,7 +185,7 @@ def main() -> None:
         "configs": results,
         "all_pass": all(r["pass"] for r in results.values()),
     }
-    print(json.dumps(summary))
+    emit(summary, digits=None)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -32,24 +32,32 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import alternate, emit, machine_info, peak_rss_mib, run_child, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZES = (1, 64, 1024)
 CALLS = {1: 2000, 64: 400, 1024: 60}
 
-EXPORT_CHILD = """
-import json, resource, sys, time
-from pathlib import Path
-def hwm():
-    return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]) / 1024
-from recsys.serving.export import ExportOptions, export_bundle
-import recsys.train  # what `recsys export` imports too
-before = hwm()
-start = time.perf_counter()
-report = export_bundle(Path(sys.argv[1]), Path(sys.argv[2]), options=ExportOptions(buffer_rows=int(sys.argv[3])))
-print(json.dumps({"seconds": time.perf_counter() - start, "rss_after_imports_mib": before, "peak_rss_mib": hwm(),
-                  "tables": report["tables"], "bytes": report["bytes"]}))
-"""
+
+def export_child(run: Path, out: Path, buffer_rows: int) -> None:
+    """The export in this fresh process (``--export-child``): its time, peak RSS and RSS after imports."""
+    import recsys.train  # noqa: F401 - what `recsys export` imports too
+    from recsys.serving.export import ExportOptions, export_bundle
+
+    before = peak_rss_mib()
+    start = time.perf_counter()
+    report = export_bundle(run, out, options=ExportOptions(buffer_rows=buffer_rows))
+    seconds = time.perf_counter() - start
+    emit(
+        {
+            "seconds": seconds,
+            "rss_after_imports_mib": before,
+            "peak_rss_mib": peak_rss_mib(),
+            "tables": report["tables"],
+            "bytes": report["bytes"],
+        },
+        digits=None,
+    )
 
 
 def _config(args: argparse.Namespace) -> str:
@@ -87,13 +95,8 @@ def train(args: argparse.Namespace) -> Path:
 
 
 def export(run: Path, out: Path, buffer_rows: int) -> dict:
-    if out.exists():
-        subprocess.run(["rm", "-rf", str(out)], check=True)
-    proc = subprocess.run(
-        [sys.executable, "-c", EXPORT_CHILD, str(run), str(out), str(buffer_rows)],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    shutil.rmtree(out, ignore_errors=True)
+    return run_child([__file__, "--export-child", str(run), str(out), str(buffer_rows)], cwd=ROOT)
 
 
 def torchrec_model(bundle_path: Path):
@@ -154,18 +157,16 @@ def inputs(run: Path, batch_size: int, count: int) -> list[tuple[np.ndarray, dic
 
 
 def measure(candidates: dict, batches: list) -> dict[str, np.ndarray]:
-    """Seconds of every call per candidate, calls interleaved, after a warm-up pass over the same
-    batches (the caches then hold what they would in a steady state: every stored row, or a tenth)."""
+    """Seconds of every call per candidate, calls interleaved in alternating order (``harness.alternate``)
+    on the same batch, after a warm-up pass over the same batches (the caches then hold what they would
+    in a steady state: every stored row, or a tenth)."""
     for fn in candidates.values():
         for dense, ids in batches:
             fn(dense, ids)
-    times = {name: np.empty(len(batches)) for name in candidates}
-    for i, (dense, ids) in enumerate(batches):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn(dense, ids)
-            times[name][i] = time.perf_counter() - start
-    return times
+    times = alternate(
+        list(candidates), len(batches), lambda name, i: timed(lambda: candidates[name](*batches[i]))
+    )
+    return {name: np.array(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -175,10 +176,15 @@ def main() -> None:
     parser.add_argument("--id-space", type=int, default=200_000)
     parser.add_argument("--features", type=int, default=8)
     parser.add_argument("--buffer-rows", type=int, default=4096)
-    args = parser.parse_args()
-    print(
-        f"# {platform.node()} {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    parser.add_argument(
+        "--export-child", nargs=3, metavar=("RUN", "OUT", "BUFFER_ROWS"), help=argparse.SUPPRESS
     )
+    args = parser.parse_args()
+    if args.export_child:
+        run, out, buffer_rows = args.export_child
+        export_child(Path(run), Path(out), int(buffer_rows))
+        return
+    emit(machine_info("torch", "numpy"))
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -247,7 +253,7 @@ def main() -> None:
         export_buffer_rows=args.buffer_rows,
         export_largest_table_rows=most,
     )
-    print(json.dumps(ratios))
+    emit(ratios)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,7 @@ Usage: python benchmarks/bench_store.py [--scale] [--dir /tmp/bench_store] [--to
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shutil
-import statistics
-import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +29,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import torch
+from harness import RssPeak, alternate, emit, machine_info, order_of, paired_ratios, status_kib, timed
 
 from embedding_store import (
     LmdbOptions,
@@ -51,21 +46,7 @@ from embedding_store.lmdb_backend import LmdbBackend, encode_keys
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 SPEC = TableSpec(name="t", dim=64, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)  # 260-byte rows
 LMDB_KW = {"map_size": 1 << 34, "subdir": True, "sync": False, "metasync": False, "readahead": False}
-
-
-def machine_info() -> dict[str, object]:
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "mem_gib": round(mem_gb, 1),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "numpy": np.__version__,
-        "lmdb": lmdb.__version__,
-        "cuda": torch.cuda.is_available(),
-    }
+PAIR = ("baseline", "store")  # the two sides of every measurement, alternating (harness.order_of)
 
 
 def hashed(raw: np.ndarray) -> np.ndarray:
@@ -73,32 +54,25 @@ def hashed(raw: np.ndarray) -> np.ndarray:
     return ((raw.astype(np.uint64) * GOLDEN) >> np.uint64(2)).astype(np.int64)
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def paired(
     base: Callable[[], object], cand: Callable[[], object], reps: int
 ) -> tuple[list[float], list[float]]:
-    """Alternate baseline and candidate runs, so that noise from a shared machine hits both alike."""
-    base_t, cand_t = [], []
-    for _ in range(reps):
-        base_t.append(timed(base))
-        cand_t.append(timed(cand))
-    return base_t, cand_t
+    """Seconds of ``reps`` baseline and candidate calls, alternating (``harness.alternate``), so that
+    noise from a shared machine hits both alike."""
+    fns = dict(zip(PAIR, (base, cand), strict=True))
+    times = alternate(PAIR, reps, lambda name, _: timed(fns[name]))
+    return times["baseline"], times["store"]
 
 
 def report(name: str, base_t: list[float], cand_t: list[float], n: int) -> float:
-    """Median of the per-pair speed ratios (baseline time / candidate time)."""
-    ratio = statistics.median(b / c for b, c in zip(base_t, cand_t, strict=True))
-    base_s, cand_s = statistics.median(base_t), statistics.median(cand_t)
+    """Median of the per-pair speed ratios (baseline time / candidate time), printed with its quartiles."""
+    pairs = paired_ratios(base_t, cand_t)
+    base_s, cand_s = np.median(base_t), np.median(cand_t)
     print(
         f"{name}: baseline {base_s * 1e3:.2f} ms, store {cand_s * 1e3:.2f} ms (medians of {len(base_t)}), "
-        f"{n} items, median pair ratio {ratio:.2f}"
+        f"{n} items, median pair ratio {pairs['median']:.2f} (quartiles {pairs['q1']:.2f}-{pairs['q3']:.2f})"
     )
-    return ratio
+    return pairs["median"]
 
 
 def bench_remap(root: Path) -> float:
@@ -170,21 +144,20 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
         host_capacity_rows=200_000,
         lmdb=LmdbOptions(initial_map_size_bytes=1 << 34),
     )
-    base_t, cand_t = [], []
     with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
         for chunk in np.array_split(ids, 20):  # warm the store's pages too
             store.read_rows("t", chunk)
-        for b, keys in enumerate(sets):
-            store.lookahead(b, {"t": keys})
-            start = time.perf_counter()
-            raw_read(keys)
-            base_t.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            store.prefetch(b)
-            cand_t.append(time.perf_counter() - start)
+
+        def read(name: str, b: int) -> float:
+            if name == "baseline":
+                return timed(lambda: raw_read(sets[b]))
+            store.lookahead(b, {"t": sets[b]})  # announced untimed, then its rows read from LMDB
+            return timed(lambda: store.prefetch(b))
+
+        times = alternate(PAIR, len(sets), read)
         assert store.stats().resident_rows["t"][Tier.HOST] == 160_000
         store.close(flush=False)
-    ssd = report("ssd_read_vs_lmdb", base_t, cand_t, 10_000)
+    ssd = report("ssd_read_vs_lmdb", times["baseline"], times["store"], 10_000)
 
     config = StoreConfig(
         seed=0,
@@ -192,7 +165,9 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
         host_capacity_rows=0,
         lmdb=LmdbOptions(initial_map_size_bytes=1 << 34, writer_batch_rows=1 << 16),
     )
-    base_t, cand_t = [], []
+    base_t: list[float] = []
+    cand_t: list[float] = []
+    evicted: list[int] = []
     with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
         weights, state = torch.zeros(10_000, 64), torch.zeros(10_000)
         store.bind("t", weights=weights, state=state)
@@ -205,18 +180,23 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
             rows = store.read_rows("t", keys)
             packed = torch.cat([rows.weights, rows.state[:, None]], 1).numpy()
             buf = memoryview(packed.tobytes())
-            start = time.perf_counter()
-            with env.begin(write=True) as txn:
-                pairs = zip(
-                    encode_keys(keys), [buf[i : i + 260] for i in range(0, len(buf), 260)], strict=True
+
+            def raw_write(keys: np.ndarray = keys, buf: memoryview = buf) -> None:
+                with env.begin(write=True) as txn:
+                    pairs = zip(
+                        encode_keys(keys), [buf[i : i + 260] for i in range(0, len(buf), 260)], strict=True
+                    )
+                    txn.cursor(db=db).putmulti(pairs)
+
+            def write_back() -> None:
+                evicted.append(store.evict("t"))
+                store.wait_for_writes()
+
+            for name in order_of(PAIR, b):  # the two sides in alternating order, as harness.alternate
+                (base_t if name == "baseline" else cand_t).append(
+                    timed(raw_write if name == "baseline" else write_back)
                 )
-                txn.cursor(db=db).putmulti(pairs)
-            base_t.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            evicted = store.evict("t")
-            store.wait_for_writes()
-            cand_t.append(time.perf_counter() - start)
-            assert evicted == keys.shape[0]
+        assert evicted == [keys.shape[0] for keys in sets], "every updated row is written back"
         store.close(flush=False)
     env.close()
     wb = report("writeback_vs_lmdb", base_t, cand_t, 10_000)
@@ -244,13 +224,7 @@ def bench_host_gather(root: Path) -> float:
 
 
 def rss_kib() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(line.split()[1])
-    return out
+    return status_kib("VmHWM", "VmRSS", "RssAnon", "RssFile")
 
 
 def scale(root: Path, touched: int, unmap_every: int | None, writer_batch: int) -> None:
@@ -281,18 +255,11 @@ def scale(root: Path, touched: int, unmap_every: int | None, writer_batch: int) 
         return np.concatenate([new, rng.choice(hot_ids, size=batch_new // 2)])
 
     start = time.perf_counter()
-    peaks = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0}
-    done = threading.Event()
-
-    def sample() -> None:  # RSS every 50 ms, split into anonymous memory and mapped file pages
-        while not done.wait(0.05):
-            now = rss_kib()
-            for key in peaks:
-                peaks[key] = max(peaks[key], now[key])
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    with TieredStore(root / "scale", config=config, tables=[spec]) as store:
+    # RSS every 50 ms, split into anonymous memory and mapped file pages
+    with (
+        RssPeak(("RssAnon", "RssFile", "VmRSS"), interval_s=0.05) as sampler,
+        TieredStore(root / "scale", config=config, tables=[spec]) as store,
+    ):
         weights, state = torch.zeros(device_rows, 32), torch.zeros(device_rows)
         store.bind("big", weights=weights, state=state)
         pending = {0: batch_ids(0)}
@@ -324,8 +291,7 @@ def scale(root: Path, touched: int, unmap_every: int | None, writer_batch: int) 
         assert torch.equal(got.weights, want) and bool((got.state == 1.0).all()), "scale: rows are wrong"
         print(f"scale: {sample.shape[0]} sampled rows of batch 0 read back exactly")
     elapsed = time.perf_counter() - start
-    done.set()
-    sampler.join()
+    peaks = sampler.peak
     rss = rss_kib()
     print(f"scale: {num_batches} batches, {touched} new ids + {hot} hot ids, {elapsed:.0f} s")
     print(
@@ -344,7 +310,7 @@ def scale(root: Path, touched: int, unmap_every: int | None, writer_batch: int) 
         "writer_batch_rows": writer_batch,
         "seconds": round(elapsed, 1),
     }
-    print(json.dumps(result))
+    emit(result, digits=3)
 
 
 def main() -> None:
@@ -371,7 +337,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
-    print(json.dumps(machine_info()))
+    emit(machine_info("torch", "numpy", "lmdb"))
     try:
         if args.scale:
             scale(args.dir, args.touched, args.unmap_every or None, args.writer_batch)
@@ -379,7 +345,7 @@ def main() -> None:
         ratios = {"remap_vs_unique": bench_remap(args.dir)}
         ratios["ssd_read_vs_lmdb"], ratios["writeback_vs_lmdb"] = bench_ssd_and_writeback(args.dir)
         ratios["host_gather_vs_index_select"] = bench_host_gather(args.dir)
-        print(json.dumps({k: round(v, 3) for k, v in ratios.items()}))
+        emit(ratios, digits=3)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
 

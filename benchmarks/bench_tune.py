@@ -17,14 +17,10 @@ Usage: python benchmarks/bench_tune.py [--ids 10000000] [--batch-size 16384]
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
 
 import numpy as np
-import torch
+from harness import emit, machine_info
 
 from embedding_store import PolicyKind
 from recsys.config import config_from_dict
@@ -59,17 +55,7 @@ def main() -> None:
     parser.add_argument("--ids", type=int, default=10_000_000, help="raw ids per table")
     parser.add_argument("--batch-size", type=int, default=16384)
     args = parser.parse_args()
-    print(
-        json.dumps(
-            {
-                "machine": platform.machine(),
-                "cpus": os.cpu_count(),
-                "python": sys.version.split()[0],
-                "numpy": np.__version__,
-                "torch": torch.__version__,
-            }
-        )
-    )
+    emit(machine_info("numpy", "torch"))
     cfg, steps = config(args.ids, args.batch_size)
     row_bytes = 4 * 17
     start = time.perf_counter()
@@ -119,7 +105,7 @@ def main() -> None:
         "exact_lookahead_seconds": round(exact_look_s, 2),
         "predicted_device_hit_rate": round(result.doc["total"]["predicted_device_hit_rate"], 4),
     }
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":
