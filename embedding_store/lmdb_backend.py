@@ -10,13 +10,18 @@ carries, and reads look up only flagged ids: the rest were never written, so the
 
 Threads: reads may run in any thread while the background writer commits; changing the map size needs
 no transaction open in this process, so reads and commits hold a shared lock and a resize an exclusive one.
+A read of many keys is split into runs of consecutive keys, each read in its own transaction by one of
+``read_threads`` threads (``lmdb_threads.ReaderPool``), so that many page faults of a cold file are in
+flight at once. The runs' rows are joined in id order: one transaction's result, except that a commit
+landing during the read may show in some runs and not in others (no row is older than one transaction
+begun at the call would return).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
+import itertools
 import json
 import mmap
 import operator
@@ -31,6 +36,7 @@ import numpy as np
 
 from embedding_store.config import LmdbOptions, TableSpec
 from embedding_store.errors import StoreCorruptError, StoreError, StoreFullError, StoreIncompatibleError
+from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
 
 __all__ = ["FORMAT_VERSION", "LmdbBackend", "encode_keys", "scan_snapshot"]
 
@@ -119,39 +125,6 @@ def _table_meta(spec: TableSpec) -> dict[str, object]:
     }
 
 
-class _SharedExclusiveLock:
-    """Many shared holders or one exclusive holder."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive)
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
-            self._exclusive = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
-
-
 class LmdbBackend:
     """Packed rows of several tables in one LMDB environment (a context manager).
 
@@ -169,7 +142,8 @@ class LmdbBackend:
     def __init__(self, path: Path, *, options: LmdbOptions, seed: int, tables: Sequence[TableSpec]) -> None:
         self._options = options
         self._path = path
-        self._rw = _SharedExclusiveLock()
+        self._rw = SharedExclusiveLock()
+        self._readers = ReaderPool(options.read_threads)
         self._data_file = os.path.realpath(path / "data.mdb")
         self._rows_since_unmap = 0
         self._row_bytes = {t.name: t.row_bytes for t in tables}
@@ -183,6 +157,8 @@ class LmdbBackend:
                 metasync=options.sync,
                 readahead=options.readahead,
                 lock=True,
+                # a slot per transaction open at once: each reader thread's, the callers', the writer's
+                max_readers=126 + options.read_threads,
             )
         except lmdb.Error as err:
             raise _map_error(err, f"cannot open LMDB environment {path}") from err
@@ -275,12 +251,20 @@ class LmdbBackend:
         if ids.shape[0] == 0:
             return found, np.empty((0, row_bytes // 4), dtype=np.float32)
         keys = encode_keys(ids)
-        try:
+        db = self._dbs[table]
+
+        def read(run: slice) -> list[tuple[bytes, bytes]]:
             # buffers=False: py-lmdb's zero-copy buffers make getmulti ~10x slower every other call.
-            with self._rw.shared(), self._env.begin(db=self._dbs[table]) as txn:
-                pairs = txn.cursor().getmulti(keys)
+            with self._env.begin(db=db) as txn:
+                return txn.cursor().getmulti(keys[run])
+
+        try:
+            # Every run's transaction ends inside the shared hold: no resize while one is open.
+            with self._rw.shared():
+                runs = self._readers.map(read, self._readers.runs(len(keys)))
         except lmdb.Error as err:
             raise _map_error(err, f"read of table {table!r} failed") from err
+        pairs = runs[0] if len(runs) == 1 else list(itertools.chain.from_iterable(runs))
         val_buf = b"".join(map(_VALUE, pairs))
         if len(val_buf) != len(pairs) * row_bytes:
             raise StoreCorruptError(f"table {table!r}: rows of unexpected size (want {row_bytes} bytes each)")
@@ -425,7 +409,8 @@ class LmdbBackend:
             helper.join()
 
     def close(self) -> None:
-        """Close the environment (idempotent)."""
+        """Stop the reader threads and close the environment (idempotent)."""
+        self._readers.close()
         self._env.close()
 
 
