@@ -6,7 +6,8 @@ the pipeline makes them (the routing stage announces batch s+3, the prefetch sta
 fill stage makes batch s+1 resident while the consumer trains batch s, and batch s-2 is released after its
 backward), and measures the CPU time of each call with ``time.thread_time_ns`` — what the stage threads
 spend, whatever else runs on the machine. The background writer's CPU comes from
-``/proc/self/task/<tid>/schedstat`` of the thread named ``tierrec-writer``.
+``/proc/self/task/<tid>/schedstat`` of the thread named ``tierrec-writer`` (and so does that of any other
+thread of the process, e.g. reader threads of the backend, reported by name).
 
 Per step and table the calls are the ones ``TieredTables`` makes on one rank:
 
@@ -120,6 +121,25 @@ def writer_tid() -> int:
     if len(tids) != 1 or tids[0] is None:
         raise RuntimeError(f"expected one tierrec-writer thread, found {len(tids)}")
     return tids[0]
+
+
+def other_threads_cpu_ns() -> dict[str, int]:
+    """CPU ns so far of every thread of this process but the calling one, summed by thread name (the
+    store's writer, any reader threads the backend keeps); threads Python did not start count as "other"."""
+    me = threading.get_native_id()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, int] = defaultdict(int)
+    for entry in os.scandir("/proc/self/task"):
+        tid = int(entry.name)
+        if tid == me:
+            continue
+        try:
+            cpu = thread_cpu_ns(tid)
+        except OSError:  # ended meanwhile
+            continue
+        name = names.get(tid, "other")
+        out["writer" if name == "tierrec-writer" else name.rstrip("0123456789_-") or "other"] += cpu
+    return out
 
 
 def thread_cpu_ns(tid: int) -> int:
@@ -334,8 +354,7 @@ def run_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, o
     driver.store.wait_for_writes()  # nothing of the warm-up left for the writer in the measured window
     timers.ns.clear()
     before = driver.store.stats()
-    tid = writer_tid()
-    writer0, proc0 = thread_cpu_ns(tid), time.process_time_ns()
+    threads0, proc0 = other_threads_cpu_ns(), time.process_time_ns()
     capture.on = True
     unique_ns = gather_ns = floor_proc_ns = 0
     for s in range(warm_end, warm_end + args.steps):
@@ -350,7 +369,8 @@ def run_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, o
     driver.store.wait_for_writes()  # the window's evictions committed, on the writer's clock
     drain_ns = time.thread_time_ns() - drain0
     capture.on = False
-    writer_ns = thread_cpu_ns(tid) - writer0
+    threads = {k: v - threads0.get(k, 0) for k, v in other_threads_cpu_ns().items()}
+    threads = {k: v for k, v in threads.items() if v > 0}
     proc_ns = time.process_time_ns() - proc0 - floor_proc_ns - drain_ns
     after = driver.store.stats()
     calls = dict(timers.ns)
@@ -367,7 +387,7 @@ def run_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, o
     row_bytes = 4 * (args.dim + 1)
     read_ns, n_read, write_ns, n_written = lmdb_floor(capture, row_bytes, Path(tempfile.mkdtemp(dir=root)))
     ids = args.steps * shape.tables * shape.ids_per_table
-    stage_ns = sum(calls.values()) + writer_ns
+    stage_ns = sum(calls.values()) + sum(threads.values())
     floor = {
         "unique": unique_ns / ids,
         "index_select": gather_ns / ids,
@@ -379,7 +399,7 @@ def run_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, o
         "stage_cpu_ns_per_id": round(stage_ns / ids, 1),
         "floor_ns_per_id": round(floor_ns, 1),
         "ratio": round(stage_ns / ids / floor_ns, 2),
-        "calls_ns_per_id": {k: round(v / ids, 1) for k, v in {**calls, "writer": writer_ns}.items()},
+        "calls_ns_per_id": {k: round(v / ids, 1) for k, v in {**calls, **threads}.items()},
         "floor_parts_ns_per_id": {k: round(v, 1) for k, v in floor.items()},
         "stage_cpu_ms_per_step": round(stage_ns / args.steps / 1e6, 3),
         "process_cpu_ms_per_step": round(proc_ns / args.steps / 1e6, 3),
