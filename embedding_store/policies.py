@@ -12,6 +12,7 @@ returns ``n`` distinct members of ``candidates``, deterministically, and raises 
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from embedding_store.config import PolicyKind
@@ -19,6 +20,24 @@ from embedding_store.config import PolicyKind
 __all__ = ["EvictionPolicy", "LfuPolicy", "LookaheadPolicy", "LruPolicy", "make_policy"]
 
 _TICK_BITS = 40  # 1e12 batches; the rest of an int64 sort key holds the policy's primary key
+_LEXSORT_MAX = 4096  # up to this many candidates the victims are the n smallest (key, position) pairs
+
+
+# Signatures given: compiled (or loaded from the cache) on import, never in a stage's first call.
+@numba.njit("int64[:](int64[:], int64)", nogil=True, cache=True)
+def _at_most_kth(key: np.ndarray, n: int) -> np.ndarray:  # pragma: no cover - compiled
+    """Indices, ascending, of the keys <= the n-th smallest key: the n smallest and their ties."""
+    kth = np.partition(key, n - 1)[n - 1]
+    return np.flatnonzero(key <= kth)
+
+
+def _smallest(key: np.ndarray, candidates: np.ndarray, n: int) -> np.ndarray:
+    """The n (key, candidate) pairs that sort first, their candidates in that order: for distinct
+    candidates and 0 < n < K, ``candidates[np.lexsort((candidates, key))[:n]]``, sorting only the
+    n smallest keys and their ties."""
+    sel = _at_most_kth(key, n)
+    cand = candidates[sel]
+    return cand[np.lexsort((cand, key[sel]))[:n]]
 
 
 class EvictionPolicy:
@@ -75,9 +94,10 @@ class EvictionPolicy:
         if n == candidates.shape[0]:
             return candidates.copy()
         # A composite key with the position as tie-breaker makes the choice deterministic.
-        order = np.lexsort((candidates, key)) if candidates.shape[0] <= 4096 else None
-        if order is not None:
-            return candidates[order[:n]]
+        if candidates.shape[0] <= _LEXSORT_MAX:
+            if 2 * n > candidates.shape[0]:  # most of them: one sort of all
+                return candidates[np.lexsort((candidates, key))[:n]]
+            return _smallest(key, np.asarray(candidates, dtype=np.int64), n)
         part = np.argpartition(key, n - 1)[:n]
         return candidates[part]
 
@@ -100,6 +120,21 @@ class LfuPolicy(EvictionPolicy):
 
 
 _DIST_BITS = 20  # next-use distances above 2^20 - 1 batches tie
+_FAR = (1 << _DIST_BITS) - 1
+
+
+@numba.njit("int64[:](int64[:], int64[:], int64[:])", nogil=True, cache=True)
+def _lookahead_key(
+    last_use: np.ndarray, candidates: np.ndarray, future: np.ndarray
+) -> np.ndarray:  # pragma: no cover
+    """LOOKAHEAD's sort key of each candidate (see ``LookaheadPolicy``), in one pass."""
+    out = np.empty(candidates.shape[0], dtype=np.int64)
+    for i in range(candidates.shape[0]):
+        key = last_use[candidates[i]]
+        if future[i] >= 0:  # needed: above every unneeded row (bit 61), nearer uses higher
+            key |= ((_FAR - min(future[i], _FAR)) << _TICK_BITS) | (1 << 61)
+        out[i] = key
+    return out
 
 
 class LookaheadPolicy(EvictionPolicy):
@@ -110,16 +145,13 @@ class LookaheadPolicy(EvictionPolicy):
     needs_future = True
 
     def _sort_key(self, candidates: np.ndarray, future: np.ndarray | None) -> np.ndarray:
-        key = self.last_use[candidates]
         if future is None:
-            return key
+            return self.last_use[candidates]
         if future.dtype == np.bool_:
             future = np.where(future, 0, -1)
-        far = (1 << _DIST_BITS) - 1
-        needed = future >= 0
-        # needed rows: above every unneeded one (bit 61), nearer uses higher (kept longer).
-        rank = (far - np.minimum(future, far)) << _TICK_BITS
-        return np.where(needed, key | rank | (1 << 61), key)
+        return _lookahead_key(
+            self.last_use, np.asarray(candidates, dtype=np.int64), np.asarray(future, dtype=np.int64)
+        )
 
 
 # The class of each PolicyKind, keyed by the kind the class names (the tests make every kind's policy).

@@ -38,9 +38,6 @@ from embedding_store.writer import WriteBehind, WriterSettings
 
 __all__ = ["TieredStore"]
 
-# Union-of-future-ids sets kept (per table and window): enough for the stages working on different windows.
-_FUTURE_CACHE_ENTRIES = 8
-
 IdsLike = torch.Tensor | np.ndarray
 
 
@@ -56,18 +53,6 @@ def _as_ids(ids: IdsLike) -> np.ndarray:
 def _strictly_increasing(ids: np.ndarray) -> bool:
     """Whether (N,) ids are sorted and unique already (the key routing hands over such arrays)."""
     return bool((ids[1:] > ids[:-1]).all())
-
-
-def _first_uses(parts: list[np.ndarray], distances: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique ids of ``parts`` (each unique, in batch order) and the distance of the first part
-    holding each."""
-    ids = np.concatenate(parts)
-    dist = np.repeat(distances.astype(np.int64), [p.shape[0] for p in parts])
-    order = np.argsort(ids, kind="stable")  # equal ids keep batch order: the first is the nearest use
-    ids, dist = ids[order], dist[order]
-    first = np.ones(ids.shape[0], dtype=bool)
-    first[1:] = ids[1:] != ids[:-1]
-    return ids[first], dist[first]
 
 
 class TieredStore:
@@ -134,7 +119,6 @@ class TieredStore:
         self._idle = threading.Condition(self._lock)
         self._unlocked_reads = 0
         self._announced: dict[int, dict[str, np.ndarray]] = {}
-        self._future_cache: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray] | None] = {}
         # batch -> tables it pinned; with _unpin (released batches whose pins are still to drop), guarded by
         # _release_lock, which is never held while waiting for anything else
         self._in_flight: dict[int, list[str]] = {}
@@ -169,30 +153,15 @@ class TieredStore:
             raise ValueError(f"unknown table {name!r}; tables are {sorted(self._tables)}") from None
 
     def _future(self, name: str, batch_id: int) -> FutureIds:
-        """Lazily: sorted ids of ``name`` used by the batch and the next L announced batches, with the
-        number of batches from ``batch_id`` to each id's first use in that window.
+        """Lazily: the sorted ids of ``name`` that the batch and the next L announced batches use, each
+        batch's with its distance in batches from ``batch_id``, nearest first.
 
-        Computed only when a LOOKAHEAD tier must evict, and cached until the announcements change.
+        Asked for only when a LOOKAHEAD tier must evict; the tier marks the rows of each batch in turn.
         """
 
-        def future() -> tuple[np.ndarray, np.ndarray] | None:
-            window = tuple(
-                sorted(b for b in self._announced if b >= batch_id)[: self.config.lookahead_batches + 1]
-            )
-            # Keyed by the window's batches (their announced ids never change; re-announcing a batch clears
-            # the cache): the fill and prefetch stages work on different windows and must not evict each
-            # other's entry on every call.
-            key = (name, window)
-            if key not in self._future_cache:
-                used = [b for b in window if name in self._announced[b]]
-                if len(self._future_cache) >= _FUTURE_CACHE_ENTRIES:
-                    self._future_cache.pop(next(iter(self._future_cache)))
-                self._future_cache[key] = (
-                    _first_uses([self._announced[b][name] for b in used], np.array(used) - batch_id)
-                    if used
-                    else None
-                )
-            return self._future_cache[key]
+        def future() -> list[tuple[int, np.ndarray]]:
+            window = sorted(b for b in self._announced if b >= batch_id)[: self.config.lookahead_batches + 1]
+            return [(b - batch_id, self._announced[b][name]) for b in window if name in self._announced[b]]
 
         return future
 
@@ -222,8 +191,6 @@ class TieredStore:
                 table.check_ids(arr)
                 # a copy: the caller may reuse its array
                 announced[name] = arr.copy() if _strictly_increasing(arr) else np.unique(arr)
-            if batch_id in self._announced:  # its ids may change: cached windows holding it are stale
-                self._future_cache.clear()
             self._announced[batch_id] = announced
 
     def prefetch(self, batch_id: int) -> None:

@@ -27,8 +27,8 @@ from embedding_store.writer import WriteBehind
 __all__ = ["PrefetchPlan", "TieredTable"]
 
 
-def _no_future() -> tuple[np.ndarray, np.ndarray] | None:
-    return None
+def _no_future() -> list[tuple[int, np.ndarray]]:
+    return []
 
 
 @dataclass(slots=True, eq=False)  # identity: finish_prefetch removes this very plan from the list
@@ -159,7 +159,11 @@ class TieredTable:
         hits = slots[~miss]
         stats.hits += hits.shape[0]
         device.pin(hits, key)  # before evicting, so this batch's own rows stay
-        miss_ids, inverse = np.unique(ids[miss], return_inverse=True)  # (M,), (#miss,)
+        missing = ids[miss]
+        if (missing[1:] > missing[:-1]).all():  # sorted and unique already, as routed ids are
+            miss_ids, inverse = missing, None
+        else:
+            miss_ids, inverse = np.unique(missing, return_inverse=True)  # (M,), (#miss,)
         need = miss_ids.shape[0] - device.num_free
         candidates = device.evictable() if need > 0 else np.empty(0, dtype=np.int64)
         if need > candidates.shape[0]:
@@ -180,7 +184,7 @@ class TieredTable:
         device.write(new_slots, rows)
         stats.add_in(miss_ids.shape[0], self.spec.row_bytes)
         stats.misses += int(miss.sum())
-        slots[miss] = new_slots[inverse]
+        slots[miss] = new_slots if inverse is None else new_slots[inverse]
         device.pin(new_slots, key)
         device.policy.touch(slots)
         stats.seconds += time.perf_counter() - start
@@ -242,10 +246,12 @@ class TieredTable:
             plan = PrefetchPlan(ids=ids[:0], epoch=self._epoch)
             self._plans.append(plan)
             return plan
-        absent = self.host.lookup(ids) < 0
-        if self.device is not None:
-            absent &= self.device.lookup(ids) < 0
-        todo = ids[absent]
+        todo = ids if self.device is None else ids[self.device.lookup(ids) < 0]
+        todo = todo[self.host.lookup(todo) < 0]
+        if todo.shape[0] == 0:  # all of them above LMDB already (every lookup hit)
+            plan = PrefetchPlan(ids=todo, epoch=self._epoch)
+            self._plans.append(plan)
+            return plan
         found, pending = self._writer.lookup(self.spec.name, todo)
         if found.any():
             self.stats[Tier.SSD].hits += int(found.sum())

@@ -18,9 +18,9 @@ from embedding_store.policies import make_policy
 
 __all__ = ["DeviceTier", "FutureIds", "HostTier"]
 
-# Lazily: (sorted ids the announced batches of the window use, (N,) batches from now to each id's first
-# use there), or None when nothing is announced.
-FutureIds = Callable[[], "tuple[np.ndarray, np.ndarray] | None"]
+# Lazily: the announced batches of the window as (batches from now, the sorted unique ids it uses),
+# nearest first; empty when nothing is announced.
+FutureIds = Callable[[], "list[tuple[int, np.ndarray]]"]
 
 
 class _Positions:
@@ -57,14 +57,12 @@ class _Positions:
         """(K,) batches until an announced batch next uses the row at each position; -1 where none does."""
         if not self.policy.needs_future:
             return None
-        announced = future()
-        if announced is None:
+        window = future()
+        if not window:
             return None
-        future_ids, distance = announced
         mark = np.full(self.capacity, -1, dtype=np.int64)
-        pos = self.map.lookup(future_ids)
-        hit = pos >= 0
-        mark[pos[hit]] = distance[hit]
+        for distance, ids in reversed(window):  # the nearest use is marked last: it wins
+            self.map.mark(ids, distance, mark)
         return mark[positions]
 
     def allocate(self, ids: np.ndarray) -> np.ndarray:
@@ -212,9 +210,9 @@ class DeviceTier(_Positions):
     def pinned_mask(self) -> np.ndarray:
         """(S,) True where an in-flight batch pinned the slot."""
         mask = np.zeros(self.capacity, dtype=bool)
-        for arrays in self._pins.values():
-            for slots in arrays:
-                mask[slots] = True
+        arrays = [slots for pinned in self._pins.values() for slots in pinned]
+        if arrays:
+            mask[np.concatenate(arrays)] = True
         return mask
 
     def evictable(self) -> np.ndarray:

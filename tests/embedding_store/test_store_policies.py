@@ -94,19 +94,44 @@ def test_lookahead_evicts_the_furthest_next_use_among_announced_rows() -> None:
     assert policy.victims(3, np.arange(6), future).tolist() == order[:3]
 
 
-def test_first_uses_matches_a_dict_oracle() -> None:
-    from embedding_store.store import _first_uses
+@pytest.mark.parametrize("num_embeddings", [50, None])  # the dense and the hash index
+def test_future_mask_marks_the_nearest_announced_use(num_embeddings) -> None:
+    """A tier marks each held row with the distance of the nearest announced batch using it (dict oracle)."""
+    from embedding_store import TableSpec
+    from embedding_store.tiers import HostTier
 
     rng = np.random.default_rng(0)
+    tier = HostTier(TableSpec(name="t", dim=2, num_embeddings=num_embeddings), 40, PolicyKind.LOOKAHEAD)
+    tier.allocate(rng.choice(50, size=40, replace=False))
     parts = [np.unique(rng.integers(0, 50, size=rng.integers(1, 30))) for _ in range(6)]
-    distances = np.array([0, 1, 2, 4, 5, 7])
+    distances = [0, 1, 2, 4, 5, 7]
     want: dict[int, int] = {}
     for part, d in zip(parts, distances, strict=True):
         for i in part.tolist():
-            want.setdefault(i, int(d))
-    ids, dist = _first_uses(parts, distances)
-    assert ids.tolist() == sorted(want)
-    assert dist.tolist() == [want[i] for i in sorted(want)]
+            want.setdefault(i, d)
+    positions = tier.occupied()
+    mark = tier.future_mask(positions, lambda: list(zip(distances, parts, strict=True)))
+    assert mark.tolist() == [want.get(int(i), -1) for i in tier.ids[positions]]
+    assert tier.future_mask(positions, list) is None  # nothing announced
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_victims_are_the_smallest_keys_by_position(kind) -> None:
+    """Up to 4,096 candidates: the n smallest (key, position) pairs in that order, as one lexsort of all
+    of them gives (the selection sorts only the smallest keys and their ties); all of them as given."""
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        capacity = int(rng.integers(2, 4097))
+        policy = make_policy(kind, capacity)
+        policy.insert(np.arange(capacity))
+        for _ in range(int(rng.integers(0, 6))):
+            policy.touch(rng.integers(0, capacity, size=int(rng.integers(1, capacity + 1))))
+        candidates = np.sort(rng.choice(capacity, size=int(rng.integers(1, capacity + 1)), replace=False))
+        future = rng.integers(-1, 4, size=candidates.shape[0])
+        n = int(rng.integers(1, candidates.shape[0] + 1))
+        key = policy._sort_key(candidates, future)
+        want = candidates if n == candidates.shape[0] else candidates[np.lexsort((candidates, key))[:n]]
+        np.testing.assert_array_equal(policy.victims(n, candidates, future), want, err_msg=f"trial {trial}")
 
 
 def test_large_candidate_sets_use_the_partition_path() -> None:
