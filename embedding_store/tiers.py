@@ -102,7 +102,7 @@ class HostTier(_Positions):
 
     def gather(self, pos: np.ndarray) -> np.ndarray:
         """(N,) positions -> (N, R) copies of their rows."""
-        return self.arena.index_select(0, torch.from_numpy(pos)).numpy()
+        return np.take(self._arena_np, pos, axis=0)
 
     def take(self, pos: np.ndarray) -> np.ndarray:
         """Remove (N,) distinct positions and return their (N, R) rows."""
@@ -189,10 +189,20 @@ class DeviceTier(_Positions):
         self.weights = weights  # (S, D)
         self.state = state_2d  # (S, Z) or None
         self.dim = spec.dim
+        # CPU slot tables are read and written through numpy views of the same storage (no autograd
+        # version bump, as with ``.data``): a few rows cost ~1 us instead of torch's per-call ~5 us.
+        self._host_views: tuple[np.ndarray, np.ndarray | None] | None = None
+        if weights.device.type == "cpu":
+            views = weights.detach().numpy(), None if state_2d is None else state_2d.detach().numpy()
+            self._host_views = views
         self._pins: dict[int, list[np.ndarray]] = {}  # in-flight batch -> slot arrays it pinned
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """(N,) slots -> (N, R) packed rows (weights then optimizer state), copied to the host."""
+        if self._host_views is not None:
+            weights_np, state_np = self._host_views
+            rows = np.take(weights_np, slots, axis=0)
+            return rows if state_np is None else np.concatenate([rows, np.take(state_np, slots, axis=0)], 1)
         index = torch.from_numpy(slots).to(self.weights.device)
         weights = self.weights.index_select(0, index)  # (N, D)
         if self.state is not None:
@@ -201,6 +211,12 @@ class DeviceTier(_Positions):
 
     def write(self, slots: np.ndarray, rows: np.ndarray) -> None:
         """Write (N, R) packed rows into (N,) slots, in place."""
+        if self._host_views is not None:
+            weights_np, state_np = self._host_views
+            weights_np[slots] = rows[:, : self.dim]
+            if state_np is not None:
+                state_np[slots] = rows[:, self.dim :]
+            return
         index = torch.from_numpy(slots).to(self.weights.device)
         src = to_device(torch.from_numpy(rows), self.weights.device)  # (N, R)
         self.weights.index_copy_(0, index, src[:, : self.dim])
