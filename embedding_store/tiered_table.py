@@ -21,7 +21,7 @@ from embedding_store.errors import IdOutOfRangeError, StoreCapacityError, StoreE
 from embedding_store.init import init_rows
 from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.stats import TierStats
-from embedding_store.tiers import DeviceTier, FutureIds, HostTier
+from embedding_store.tiers import DeviceTier, FutureIds, HostTier, PendingRows
 from embedding_store.writer import WriteBehind
 
 __all__ = ["PrefetchPlan", "TieredTable"]
@@ -61,6 +61,7 @@ class TieredTable:
         self._config = config
         self._backend = backend
         self._writer = writer
+        self._pending = PendingRows.of(writer)  # the writer's queue, indexed: lookups, submissions
         self.host = HostTier(spec, config.host_rows(spec), config.policy)
         self.device: DeviceTier | None = None
         self.stats = {tier: TierStats() for tier in Tier}
@@ -110,7 +111,7 @@ class TieredTable:
         """Fill ``rows[todo]`` for sorted ``ids[todo]`` from the writer, LMDB, then the lazy init."""
         ssd = self.stats[Tier.SSD]
         sub = ids[todo]
-        found, pending = self._writer.lookup(self.spec.name, sub)
+        found, pending = self._pending.lookup(self.spec.name, sub)
         idx = np.flatnonzero(todo)
         if found.any():
             rows[idx[found]] = pending
@@ -126,12 +127,12 @@ class TieredTable:
             ssd.misses += fresh.shape[0]
             ssd.add_out(int(found.sum()) + disk_rows.shape[0], self.spec.row_bytes)
 
-    def _spill(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Hand dirty rows to the writer, sorted by id."""
+    def _spill(self, ids: np.ndarray, rows: np.ndarray, *, indexed: bool = True) -> None:
+        """Hand dirty rows to the writer, sorted by id (see ``PendingRows.submit`` for ``indexed``)."""
         if ids.shape[0] == 0:
             return
         order = np.argsort(ids, kind="stable")
-        self._writer.submit(self.spec.name, ids[order], np.ascontiguousarray(rows[order]))
+        self._pending.submit(self.spec.name, ids[order], rows[order], indexed=indexed)
         self.stats[Tier.SSD].add_in(ids.shape[0], self.spec.row_bytes)
 
     def _put_host(self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future: FutureIds) -> None:
@@ -252,7 +253,7 @@ class TieredTable:
             plan = PrefetchPlan(ids=todo, epoch=self._epoch)
             self._plans.append(plan)
             return plan
-        found, pending = self._writer.lookup(self.spec.name, todo)
+        found, pending = self._pending.lookup(self.spec.name, todo)
         if found.any():
             self.stats[Tier.SSD].hits += int(found.sum())
             plan = PrefetchPlan(todo[~found], self._epoch, pending_ids=todo[found], pending_rows=pending)
@@ -341,16 +342,20 @@ class TieredTable:
         return np.unique(np.concatenate(parts))
 
     def flush_to_writer(self, chunk_rows: int, on_chunk: Callable[[], None]) -> None:
-        """Queue every device row and every dirty host row for writing, in chunks (bounded memory)."""
+        """Queue every device row and every dirty host row for writing, in chunks (bounded memory).
+
+        The caller drains the writer before it lets go of the store lock, so these submissions are not
+        indexed (``PendingRows``): an index of every row the store holds would cost as much memory.
+        """
         if self.device is not None:
             slots = self.device.occupied()
             for start in range(0, slots.shape[0], chunk_rows):
                 part = slots[start : start + chunk_rows]
-                self._spill(self.device.ids[part], self.device.read(part))
+                self._spill(self.device.ids[part], self.device.read(part), indexed=False)
                 on_chunk()
         pos = self.host.dirty_positions()
         for start in range(0, pos.shape[0], chunk_rows):
             part = pos[start : start + chunk_rows]
-            self._spill(self.host.ids[part], self.host.gather(part))
+            self._spill(self.host.ids[part], self.host.gather(part), indexed=False)
             self.host.dirty[part] = False
             on_chunk()
