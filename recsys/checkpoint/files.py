@@ -13,6 +13,7 @@ from typing import Any, BinaryIO
 
 import torch.distributed as dist
 
+from embedding_store.snapshot import fsync as _fsync_dir  # a folder's renames made durable
 from recsys.errors import UserError
 
 META = "meta.json"
@@ -81,15 +82,6 @@ def _describe(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
     """Manifest entries ``{relative path: {bytes, blake2b}}`` of files and of every file under folders."""
     files = [q for p in paths for q in ([p / n for n in sorted(_tree(p))] if p.is_dir() else [p])]
     return {str(f.relative_to(root)): {"bytes": f.stat().st_size, "blake2b": _file_digest(f)} for f in files}
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the renames and new entries inside folder ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _complete(root: Path) -> list[Path]:
