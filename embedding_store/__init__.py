@@ -74,7 +74,7 @@ from embedding_store.stats import StoreStats, TierStats
 if TYPE_CHECKING:
     from embedding_store.index import num_embeddings_for
     from embedding_store.init import init_rows
-    from embedding_store.lmdb_backend import scan_snapshot
+    from embedding_store.lmdb_scan import scan_snapshot
     from embedding_store.rows import RowChunk
     from embedding_store.shard import ShardDirectory
     from embedding_store.snapshot import restore_resharded, restore_snapshot, snapshot_chunks
@@ -85,7 +85,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "init_rows": "embedding_store.init",
     "num_embeddings_for": "embedding_store.index",
-    "scan_snapshot": "embedding_store.lmdb_backend",
+    "scan_snapshot": "embedding_store.lmdb_scan",
     "RowChunk": "embedding_store.rows",
     "ShardDirectory": "embedding_store.shard",
     **dict.fromkeys(("restore_resharded", "restore_snapshot", "snapshot_chunks"), "embedding_store.snapshot"),

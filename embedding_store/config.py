@@ -157,6 +157,17 @@ class LmdbOptions:
             at 1.3e4 rows/s with 1 thread and 5.0e4 with 16 (0.95 of the disk's 4 KiB random reads at
             depth 32); where the pages are cached the split costs (warm reads at 0.82 of one thread's
             speed). 1: every read in the calling thread, in one transaction.
+        layout: how a new store places its rows (an existing store keeps the layout it was created with):
+            ``"log"`` appends every write-back as records numbered by write time, with an id index in RAM
+            (~20-40 bytes per stored id of an unbounded table, 8 per possible id of a bounded one up to
+            2^22 ids) and compaction of dead versions (``embedding_store.lmdb_log``); ``"btree"`` keys rows
+            by id, which rewrites a 4 KiB page per written-back row once the store is much larger than a
+            transaction (docs/tiers.md, "Write-back by write time").
+        log_segment_rows: records per segment of a new log-layout store, the unit that compaction copies
+            and drops.
+        log_compact_at: dead share of a full segment at which its live rows are copied to the head and it
+            is dropped (also of the whole log, which then compacts its deadest segment). Higher: less
+            copying, more disk (at 0.7, ~1.7x the live rows under uniform updates; at most 1/(1 - 0.7)).
     """
 
     initial_map_size_bytes: int = 1 << 30
@@ -170,6 +181,9 @@ class LmdbOptions:
     writer_nice: int = 10
     unmap_every_rows: int | None = None
     read_threads: int = 16
+    layout: str = "log"
+    log_segment_rows: int = 1 << 20
+    log_compact_at: float = 0.7
 
     def __post_init__(self) -> None:
         if not isinstance(self.initial_map_size_bytes, int) or self.initial_map_size_bytes < 1 << 16:
@@ -216,6 +230,24 @@ class LmdbOptions:
             or not 1 <= self.read_threads <= 256
         ):
             raise ValueError(f"LmdbOptions.read_threads must be an int in 1..256, got {self.read_threads!r}")
+        if self.layout not in ("log", "btree"):
+            raise ValueError(f"LmdbOptions.layout must be 'log' or 'btree', got {self.layout!r}")
+        if (
+            not isinstance(self.log_segment_rows, int)
+            or isinstance(self.log_segment_rows, bool)
+            or not 1 <= self.log_segment_rows <= 1 << 30
+        ):
+            raise ValueError(
+                f"LmdbOptions.log_segment_rows must be an int in 1..2**30, got {self.log_segment_rows!r}"
+            )
+        if (
+            not isinstance(self.log_compact_at, int | float)
+            or isinstance(self.log_compact_at, bool)
+            or not 0.05 <= self.log_compact_at <= 0.95
+        ):
+            raise ValueError(
+                f"LmdbOptions.log_compact_at must be in [0.05, 0.95], got {self.log_compact_at!r}"
+            )
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

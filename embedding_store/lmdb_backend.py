@@ -1,7 +1,10 @@
-"""The SSD tier's storage backend: one LMDB environment per rank shard, one named DB per table.
+"""The SSD tier's storage backend: one LMDB environment per rank shard.
 
-This is the only module that imports ``lmdb``. Keys are 8-byte big-endian ids, so LMDB's byte order is
-ascending id order; values are packed float32 rows (see ``config``). Reads and writes are batched over
+With this module, ``lmdb_scan`` (read-only snapshots) is the only one that imports ``lmdb``. A store has
+one of two layouts, chosen when it is created (``LmdbOptions.layout``) and recorded in its metadata:
+``"log"`` (the default, ``embedding_store.lmdb_log``: rows placed by write time, an id index in RAM) or
+``"btree"``, one named DB per table keyed by id, described here. Keys are 8-byte big-endian ids, so
+LMDB's byte order is ascending id order; values are packed float32 rows (see ``config``). Reads and writes are batched over
 sorted keys (``getmulti``/``putmulti``). The map starts at ``initial_map_size_bytes`` and doubles when a
 write transaction finds it full, up to ``max_map_size_bytes``; a full map or disk raises StoreFullError
 after the transaction was aborted, so no write is ever half-applied. A bounded table (``num_embeddings``
@@ -28,7 +31,7 @@ import operator
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lmdb
@@ -36,9 +39,18 @@ import numpy as np
 
 from embedding_store.config import LmdbOptions, TableSpec
 from embedding_store.errors import StoreCorruptError, StoreError, StoreFullError, StoreIncompatibleError
+from embedding_store.lmdb_log import LogTables
 from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
 
-__all__ = ["FORMAT_VERSION", "LmdbBackend", "encode_keys", "scan_snapshot"]
+__all__ = [
+    "FORMAT_VERSION",
+    "LmdbBackend",
+    "encode_keys",
+    "layout_of",
+    "map_error",
+    "drop_mapped_pages",
+    "table_meta",
+]
 
 FORMAT_VERSION = 1
 _META_DB = b"__meta__"
@@ -71,6 +83,18 @@ def _row_values(rows: np.ndarray, row_bytes: int) -> list[bytes]:
 
 _KEY, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
 
+# Named databases of a log-layout environment beyond two per table: its segments (one per
+# ``log_segment_rows`` records; ~330 for 100 M live rows of one table at the default compaction point).
+_LOG_MAX_DBS = 1024
+
+
+def layout_of(meta: dict) -> tuple[str, int]:
+    """(layout, segment rows) recorded in a store's metadata; stores from before layouts are B-trees."""
+    layout, rows = meta.get("layout", "btree"), meta.get("segment_rows", 0)
+    if layout not in ("btree", "log") or not isinstance(rows, int) or (layout == "log" and rows < 1):
+        raise StoreCorruptError(f"unknown store layout {layout!r} (segment rows {rows!r}) in the metadata")
+    return layout, rows
+
 
 # LMDB reports a failed write of its pages as EIO ("Input/output error"), also when the disk is full; a
 # filesystem with less than this left is taken to be full.
@@ -91,7 +115,7 @@ def _disk_full(path: str | os.PathLike[str] | None) -> bool:
     return st.f_bavail * st.f_frsize < _FULL_DISK_FREE_BYTES
 
 
-def _map_error(err: lmdb.Error, what: str, path: str | os.PathLike[str] | None = None) -> StoreError:
+def map_error(err: lmdb.Error, what: str, path: str | os.PathLike[str] | None = None) -> StoreError:
     if isinstance(err, lmdb.MapFullError | lmdb.DiskError) or "No space left" in str(err):
         return StoreFullError(f"{what}: no space left on device ({err})")
     if "Input/output error" in str(err) and _disk_full(path):
@@ -101,7 +125,7 @@ def _map_error(err: lmdb.Error, what: str, path: str | os.PathLike[str] | None =
     return StoreError(f"{what}: {err}")
 
 
-def _drop_mapped_pages(data_file: str) -> None:
+def drop_mapped_pages(data_file: str) -> None:
     """MADV_DONTNEED on this process's mappings of ``data_file``: LMDB maps it read-only and shared
     (no writemap), so this only drops page-table entries; the next read re-faults from the page cache."""
     if not sys.platform.startswith("linux"):
@@ -115,7 +139,7 @@ def _drop_mapped_pages(data_file: str) -> None:
                 libc.madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), mmap.MADV_DONTNEED)
 
 
-def _table_meta(spec: TableSpec) -> dict[str, object]:
+def table_meta(spec: TableSpec) -> dict[str, object]:
     return {
         "dim": spec.dim,
         "optimizer": spec.optimizer.value,
@@ -152,7 +176,7 @@ class LmdbBackend:
                 str(path),
                 map_size=options.initial_map_size_bytes,
                 subdir=True,
-                max_dbs=max(64, 2 * len(tables) + 2),
+                max_dbs=max(64, 2 * len(tables) + 2) + (_LOG_MAX_DBS if options.layout == "log" else 0),
                 sync=options.sync,
                 metasync=options.sync,
                 readahead=options.readahead,
@@ -161,9 +185,21 @@ class LmdbBackend:
                 max_readers=126 + options.read_threads,
             )
         except lmdb.Error as err:
-            raise _map_error(err, f"cannot open LMDB environment {path}") from err
+            raise map_error(err, f"cannot open LMDB environment {path}") from err
         try:
-            self._check_meta(path, seed, tables)
+            layout, segment_rows = self._check_meta(path, seed, tables)
+            self._log: LogTables | None = None
+            self._dbs = {}
+            self._maybe_stored: dict[str, np.ndarray] = {}
+            if layout == "log":
+                self._log = LogTables(
+                    self._env,
+                    tables,
+                    layout=(segment_rows, options.log_compact_at),
+                    locks=(self._rw, self._readers),
+                    commit=self._commit,
+                )
+                return
             self._dbs = {t.name: self._env.open_db(t.name.encode(), create=True) for t in tables}
             # A table that starts empty knows which ids it may hold: the ones ever handed to put_rows.
             # Reads skip the others (first touches of never-written rows are most reads of a first pass).
@@ -176,17 +212,25 @@ class LmdbBackend:
             }
         except lmdb.Error as err:
             self._env.close()
-            raise _map_error(err, f"cannot open the tables of {path}") from err
+            raise map_error(err, f"cannot open the tables of {path}") from err
         except StoreError:
             self._env.close()
             raise
 
-    def _check_meta(self, path: Path, seed: int, tables: Sequence[TableSpec]) -> None:
+    def _check_meta(self, path: Path, seed: int, tables: Sequence[TableSpec]) -> tuple[str, int]:
+        """Check (or record) the seed and tables; returns the store's (layout, segment rows)."""
         meta_db = self._env.open_db(_META_DB, create=True)
         with self._env.begin(write=True, db=meta_db) as txn:
             raw = txn.get(_META_KEY)
             if raw is None:
-                meta: dict = {"format": FORMAT_VERSION, "seed": seed, "tables": {}}
+                meta: dict = {
+                    "format": FORMAT_VERSION,
+                    "seed": seed,
+                    "tables": {},
+                    "layout": self._options.layout,
+                }
+                if self._options.layout == "log":
+                    meta["segment_rows"] = self._options.log_segment_rows
             else:
                 try:
                     meta = json.loads(bytes(raw))
@@ -204,7 +248,7 @@ class LmdbBackend:
                     )
             changed = raw is None
             for spec in tables:
-                want = _table_meta(spec)
+                want = table_meta(spec)
                 have = meta["tables"].get(spec.name)
                 if have is not None and have != want:
                     raise StoreIncompatibleError(
@@ -214,6 +258,7 @@ class LmdbBackend:
                 meta["tables"][spec.name] = want
             if changed:  # a full map must still reopen: write only when something is new
                 txn.put(_META_KEY, json.dumps(meta, sort_keys=True).encode())
+        return layout_of(meta)
 
     # ----------------------------------------------------------------------------------------- reads
     def get_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -223,6 +268,11 @@ class LmdbBackend:
             found: (N,) bool, True where the row exists.
             rows: (F, R) float32 rows of the found ids, in id order.
         """
+        if self._log is not None:
+            try:
+                return self._log.get_rows(table, ids)
+            except lmdb.Error as err:
+                raise map_error(err, f"read of table {table!r} failed") from err
         maybe = self._maybe_stored.get(table)
         if maybe is not None and ids.shape[0]:
             stored = maybe[ids]
@@ -263,7 +313,7 @@ class LmdbBackend:
             with self._rw.shared():
                 runs = self._readers.map(read, self._readers.runs(len(keys)))
         except lmdb.Error as err:
-            raise _map_error(err, f"read of table {table!r} failed") from err
+            raise map_error(err, f"read of table {table!r} failed") from err
         pairs = runs[0] if len(runs) == 1 else list(itertools.chain.from_iterable(runs))
         val_buf = b"".join(map(_VALUE, pairs))
         if len(val_buf) != len(pairs) * row_bytes:
@@ -278,6 +328,11 @@ class LmdbBackend:
 
     def scan(self, table: str, *, after: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``limit`` rows with id > ``after`` in ascending id order: ((n,) ids, (n, R) rows)."""
+        if self._log is not None:
+            try:
+                return self._log.scan(table, after=after, limit=limit)
+            except lmdb.Error as err:
+                raise map_error(err, f"scan of table {table!r} failed") from err
         row_bytes = self._row_bytes[table]
         keys: list[bytes] = []
         vals: list[bytes] = []
@@ -292,7 +347,7 @@ class LmdbBackend:
                         if len(keys) >= limit:
                             break
         except lmdb.Error as err:
-            raise _map_error(err, f"scan of table {table!r} failed") from err
+            raise map_error(err, f"scan of table {table!r} failed") from err
         self._count_read(len(keys))
         val_buf = b"".join(vals)
         if len(val_buf) != len(vals) * row_bytes:
@@ -307,10 +362,12 @@ class LmdbBackend:
         self._rows_since_unmap += rows
         if self._rows_since_unmap >= every:
             self._rows_since_unmap = 0
-            _drop_mapped_pages(self._data_file)
+            drop_mapped_pages(self._data_file)
 
     def num_rows(self, table: str) -> int:
         """Rows stored for ``table``."""
+        if self._log is not None:
+            return self._log.num_rows(table)
         with self._rw.shared(), self._env.begin() as txn:
             return int(txn.stat(self._dbs[table])["entries"])
 
@@ -321,6 +378,12 @@ class LmdbBackend:
         Raises:
             StoreFullError: the map hit its cap or the disk is full; nothing of ``writes`` was applied.
         """
+        if self._log is not None:
+            try:
+                self._log.put_rows(writes)
+            except lmdb.Error as err:
+                raise map_error(err, "write of the log failed", self._path) from err
+            return
         items = []
         need_bytes = 0  # keys and values of this write, before LMDB's page overhead
         for table, ids, rows in writes:
@@ -331,21 +394,44 @@ class LmdbBackend:
             need_bytes += ids.shape[0] * (8 + row_bytes)
             values = _row_values(rows, row_bytes)
             items.append((self._dbs[table], list(zip(encode_keys(ids), values, strict=True))))
+
+        def fill(txn: lmdb.Transaction) -> None:
+            for db, pairs in items:
+                txn.cursor(db=db).putmulti(pairs)
+
+        self._commit(fill, need_bytes, sum(len(pairs) for _, pairs in items))
+
+    def _commit(
+        self,
+        fill: Callable[[lmdb.Transaction], None],
+        need_bytes: int,
+        num_rows: int,
+        *,
+        exclusive: bool = False,
+    ) -> None:
+        """Run ``fill(txn)`` in one write transaction and commit it; after a full map, grow it and run the
+        whole transaction again. ``exclusive``: hold the lock exclusively (no read runs meanwhile).
+
+        Raises:
+            StoreFullError: the map hit its cap or the disk is full; nothing of the transaction was applied.
+        """
         while True:
             try:
-                with self._rw.shared(), self._env.begin(write=True) as txn:
-                    for db, pairs in items:
-                        txn.cursor(db=db).putmulti(pairs)
-                self._count_read(sum(len(pairs) for _, pairs in items))  # a write reads its path too
+                with (
+                    self._rw.exclusive() if exclusive else self._rw.shared(),
+                    self._env.begin(write=True) as txn,
+                ):
+                    fill(txn)
+                self._count_read(num_rows)  # a write reads its path too
                 return
             except lmdb.MapFullError as err:
-                self._grow(err, need_bytes, sum(len(pairs) for _, pairs in items))
+                self._grow(err, need_bytes, num_rows)
             except lmdb.Error as err:
                 if isinstance(err, lmdb.DiskError) or "No space left" in str(err) or _disk_full(self._path):
                     raise StoreFullError(
                         f"store {self._path} is full: no space left on device for a write of {need_bytes} bytes"
                     ) from err
-                raise _map_error(err, "write transaction failed") from err
+                raise map_error(err, "write transaction failed") from err
             except OSError as err:
                 if err.errno == errno.ENOSPC:
                     raise StoreFullError(
@@ -371,7 +457,7 @@ class LmdbBackend:
             try:
                 self._env.set_mapsize(new)
             except lmdb.Error as err:
-                raise _map_error(err, f"cannot grow the LMDB map to {new} bytes") from err
+                raise map_error(err, f"cannot grow the LMDB map to {new} bytes") from err
 
     def map_size_bytes(self) -> int:
         """Current LMDB map size."""
@@ -382,7 +468,7 @@ class LmdbBackend:
         try:
             self._env.sync(True)
         except lmdb.Error as err:
-            raise _map_error(err, f"sync of store {self._path} failed", self._path) from err
+            raise map_error(err, f"sync of store {self._path} failed", self._path) from err
 
     def copy_to(self, dest: Path) -> None:
         """Write a compacted, consistent copy of the environment into the empty directory ``dest``.
@@ -395,7 +481,7 @@ class LmdbBackend:
 
         def unmap() -> None:
             while not done.wait(_COPY_UNMAP_S):
-                _drop_mapped_pages(self._data_file)
+                drop_mapped_pages(self._data_file)
 
         helper = threading.Thread(target=unmap, name="tierrec-copy-unmap", daemon=True)
         helper.start()
@@ -403,7 +489,7 @@ class LmdbBackend:
             with self._rw.shared():
                 self._env.copy(str(dest), compact=True)
         except lmdb.Error as err:
-            raise _map_error(err, f"snapshot to {dest} failed", dest) from err
+            raise map_error(err, f"snapshot to {dest} failed", dest) from err
         finally:
             done.set()
             helper.join()
@@ -412,72 +498,3 @@ class LmdbBackend:
         """Stop the reader threads and close the environment (idempotent)."""
         self._readers.close()
         self._env.close()
-
-
-def scan_snapshot(
-    path: Path, spec: TableSpec, *, seed: int, chunk_rows: int = 1 << 16
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Rows of ``spec``'s table in a closed store or snapshot, read-only, ascending ids, in chunks.
-
-    Yields ``((n,) int64 ids, (n, R) float32 rows)`` with n <= ``chunk_rows``; the mapped pages are dropped
-    after each chunk, so memory stays near one chunk whatever the table's size. Nothing is written to
-    ``path`` (no lock file). A snapshot without the table yields nothing.
-
-    Raises:
-        StoreIncompatibleError: the snapshot holds the table with another layout, or another seed.
-        StoreCorruptError: the snapshot is unreadable.
-    """
-    try:
-        env = lmdb.open(str(path), readonly=True, lock=False, subdir=True, max_dbs=64, readahead=False)
-    except lmdb.Error as err:
-        raise _map_error(err, f"cannot open snapshot {path}") from err
-    data_file = os.path.realpath(path / "data.mdb")
-    try:
-        with env.begin() as txn:
-            raw = txn.get(_META_KEY, db=env.open_db(_META_DB, txn=txn, create=False))
-        try:
-            if raw is None:
-                raise ValueError("no metadata")
-            meta = json.loads(bytes(raw))
-        except (TypeError, ValueError) as err:
-            raise StoreCorruptError(f"unreadable store metadata in {path}") from err
-        if meta.get("seed") != seed:
-            raise StoreIncompatibleError(
-                f"snapshot {path} was written with seed {meta.get('seed')!r}, not {seed}"
-            )
-        have = meta.get("tables", {}).get(spec.name)
-        if have is None:
-            return
-        if have != _table_meta(spec):
-            raise StoreIncompatibleError(
-                f"table {spec.name!r} in {path} is {have}, the spec asks for {_table_meta(spec)}"
-            )
-        db = env.open_db(spec.name.encode(), create=False)
-        after = b""
-        while True:
-            keys: list[bytes] = []
-            vals: list[bytes] = []
-            with env.begin(db=db) as txn:
-                cursor = txn.cursor()
-                found = cursor.set_range(after) if after else cursor.first()
-                if found and after and cursor.key() == after:
-                    found = cursor.next()
-                while found and len(keys) < chunk_rows:
-                    keys.append(cursor.key())
-                    vals.append(cursor.value())
-                    found = cursor.next()
-            if not keys:
-                return
-            after = keys[-1]
-            buf = b"".join(vals)
-            if len(buf) != len(vals) * spec.row_bytes:
-                raise StoreCorruptError(f"{path}: table {spec.name!r} has rows of unexpected size")
-            ids = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.int64)
-            rows = np.frombuffer(buf, dtype=np.float32).reshape(len(vals), spec.row_floats).copy()
-            del keys, vals, buf
-            _drop_mapped_pages(data_file)
-            yield ids, rows
-    except lmdb.Error as err:
-        raise _map_error(err, f"read of snapshot {path} failed") from err
-    finally:
-        env.close()

@@ -18,7 +18,8 @@ import numpy as np
 
 from embedding_store.config import StoreConfig, TableSpec
 from embedding_store.errors import StoreError
-from embedding_store.lmdb_backend import LmdbBackend, scan_snapshot
+from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.lmdb_scan import scan_snapshot
 from embedding_store.rows import RowChunk, row_chunk
 
 __all__ = ["fsync", "publish", "publish_snapshot", "restore_resharded", "restore_snapshot", "snapshot_chunks"]

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from embedding_store import OptimizerKind, StoreError, TableSpec
-from embedding_store.lmdb_backend import scan_snapshot
+from embedding_store.lmdb_scan import scan_snapshot
 from recsys.checkpoint import checkpoint_meta
 from recsys.config import config_to_dict
 from recsys.errors import UserError

@@ -1,4 +1,5 @@
-"""The LMDB backend's reads of a bounded table that started empty look up only ids it was given."""
+"""The LMDB backend's reads of a bounded table that started empty look up only ids it was given (B-tree layout;
+the log layout's index knows the stored ids)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ class _Counting(LmdbBackend):
 
 def test_only_ids_ever_written_are_looked_up_until_the_store_is_reopened(tmp_path) -> None:
     def open_backend() -> _Counting:
-        return _Counting(tmp_path / "env", options=LmdbOptions(), seed=0, tables=[BOUNDED, UNBOUNDED])
+        return _Counting(
+            tmp_path / "env", options=LmdbOptions(layout="btree"), seed=0, tables=[BOUNDED, UNBOUNDED]
+        )
 
     written = np.array([3, 10, 500])
     rows = np.arange(6, dtype=np.float32).reshape(3, 2)

@@ -13,6 +13,8 @@ Sites (the thread each runs on in a pipelined tiered run):
   0-3 ms after the transaction starts, so inside it or just after its commit);
 - ``prefetch``: ``TieredTables.prefetch``, SSD -> host reads (the prefetch stage worker);
 - ``route``: ``TieredTables.route``, key routing (the route stage worker);
+- ``compact``: ``LogTables.compact``, one compaction of a log segment (the background writer thread; kill:
+  0-3 ms after it starts, so while it reads, copies, drops the segment, or just after);
 - ``snapshot``: ``LmdbBackend.copy_to``, the store snapshot inside a checkpoint (kill: after the copy,
   before the checkpoint is marked complete);
 - ``step``: ``TrainModel.forward``, mid training step (the main thread).
@@ -34,6 +36,7 @@ _SITES = {
     "writer": ("embedding_store.lmdb_backend", "LmdbBackend", "put_rows"),
     "prefetch": ("recsys.tiered", "TieredTables", "prefetch"),
     "route": ("recsys.tiered", "TieredTables", "route"),
+    "compact": ("embedding_store.lmdb_log", "LogTables", "compact"),
     "snapshot": ("embedding_store.lmdb_backend", "LmdbBackend", "copy_to"),
     "step": ("recsys.models", "TrainModel", "forward"),
 }
@@ -67,7 +70,7 @@ def _wrap(site: str, action: str, n: int, rank: int | None, fn):  # type: ignore
                 if action == "kill":
                     if site == "snapshot":
                         fn(*args, **kwargs)  # the copy is written, the checkpoint not yet complete
-                    elif site == "writer":  # land inside the LMDB transaction, or just after its commit
+                    elif site in ("writer", "compact"):  # inside its LMDB transactions, or just after
                         threading.Timer(
                             random.uniform(0, 0.003), os.kill, (os.getpid(), signal.SIGKILL)
                         ).start()

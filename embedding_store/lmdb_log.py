@@ -1,0 +1,458 @@
+"""The log layout of the SSD tier: rows placed by write time, an id -> record index in RAM, compaction.
+
+In an id-keyed B-tree much larger than a transaction, every written-back row rewrites its own 4 KiB leaf
+page (docs/tiers.md, "Write-back by write time"). In this layout a table's rows are records of a log:
+
+- every write gives its rows the table's next *sequence numbers*; rows with consecutive numbers are
+  packed into *blocks* of up to ``rows_per_block`` rows (as many as fit one 4 KiB page), each an LMDB
+  value keyed by its 8-byte big-endian block number and appended (``putmulti(append=True)``) to the
+  *segment* holding it: one LMDB sub-database per ``segment_rows`` numbers. Every write starts a block;
+- the ids of each write go to the table's *runs* database (key: the run's first sequence number,
+  value: up to ``RUN_IDS`` int64 ids, small enough to stay inside a page), in the same transaction;
+- :mod:`embedding_store.log_index` maps each id to the sequence number of its newest record. It lives in
+  RAM and is rebuilt on open from the runs (oldest first, so the newest record of an id wins);
+- a sealed segment (not the one appended to) whose records are ``compact_at`` dead, or the deadest one
+  when the whole log is, is compacted: its live rows are copied to the head (new numbers), then the
+  segment and its runs are dropped.
+
+Publication order keeps every read exact while the writer runs. The index moves to new records only
+after their transaction committed, so a reader that looks up an id finds a committed record. A reader
+looks ids up before it begins its transactions and holds the backend's shared lock across both; a
+compacted segment is dropped under the exclusive lock, after the index has left it, so no reader can
+still be on its way to it. A process killed anywhere leaves committed transactions only: a copy without
+its drop is a newer record of the same row (same bytes), and its old segment is compacted again later.
+
+Reads look up the ids, sort their sequence numbers (a segment's blocks are then read in file order),
+and read each block holding one of them once, in runs spread over the backend's reader pool: one page
+read per cold row, as in the B-tree (a block is one overflow page; the leaf pages that point at blocks
+are ~1/170 of the file and stay cached). Only :mod:`embedding_store.lmdb_backend` and ``lmdb_scan``
+import ``lmdb``; this module is handed the environment, and LMDB's errors are mapped there.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from embedding_store.config import TableSpec
+from embedding_store.errors import StoreCorruptError
+from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
+from embedding_store.log_index import SeqIndex, make_seq_index
+
+__all__ = [
+    "RUN_IDS",
+    "LogStats",
+    "LogTables",
+    "Geometry",
+    "replay_runs",
+    "runs_name",
+    "scan_log",
+    "segment_name",
+]
+
+# Ids per runs record: 8 + 8 * 240 bytes stays below LMDB's largest in-page value (~2 KiB with 4 KiB
+# pages), so no record needs an overflow page (a search of the free list for contiguous pages).
+RUN_IDS = 240
+# A block's bytes at most: one 4 KiB overflow page less its header.
+BLOCK_BYTES = 4096 - 16
+# Live rows of a compaction's copy per transaction (bounds the dirty pages and the blocks held).
+COPY_ROWS = 1 << 16
+
+Commit = Callable[..., None]  # commit(fill(txn), need_bytes, num_rows, exclusive=False)
+_Staged = tuple["_Table", np.ndarray, np.ndarray, np.ndarray]  # table, (N,) ids, (N, R) rows, (N,) seqs
+
+
+def segment_name(table: str, segment: int) -> bytes:
+    """LMDB name of ``table``'s segment; ``__`` names cannot be table names (TableSpec refuses them)."""
+    return f"__log__/{table}/{segment:012d}".encode()
+
+
+def runs_name(table: str) -> bytes:
+    return f"__log__/{table}/runs".encode()
+
+
+def _keys(numbers: np.ndarray) -> list[bytes]:
+    return np.ascontiguousarray(numbers, dtype=">u8").view("V8").tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Where a table's sequence number lives: block ``seq // block``, segment ``seq // segment``."""
+
+    block: int  # rows per block
+    segment: int  # sequence numbers per segment (a multiple of ``block``)
+
+    @staticmethod
+    def of(spec: TableSpec, segment_rows: int) -> Geometry:
+        block = max(1, BLOCK_BYTES // spec.row_bytes)
+        return Geometry(block=block, segment=block * max(1, segment_rows // block))
+
+
+def _rows_of_blocks(
+    values: list[bytes], inverse: np.ndarray, slots: np.ndarray, spec: TableSpec
+) -> np.ndarray:
+    """Rows ``slots`` of blocks ``inverse`` (indexes into ``values``) as an (N, R) float32 array."""
+    lens = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    rows_in = lens // spec.row_bytes
+    if (lens % spec.row_bytes).any() or (slots >= rows_in[inverse]).any():
+        raise StoreCorruptError(f"table {spec.name!r}: a log block of unexpected size")
+    start = np.zeros(len(values), dtype=np.int64)
+    np.cumsum(rows_in[:-1], out=start[1:])
+    flat = np.frombuffer(b"".join(values), dtype=np.float32).reshape(-1, spec.row_floats)
+    return flat[start[inverse] + slots]
+
+
+def replay_runs(
+    env: Any, runs_db: Any, spec: TableSpec, geo: Geometry
+) -> tuple[SeqIndex, dict[int, int], int]:
+    """The index of ``spec``'s log rebuilt from its runs, oldest first (the newest record of an id wins).
+
+    Returns:
+        the index, rows per segment, and the next sequence number (block-aligned).
+    """
+    index, end = make_seq_index(spec.num_embeddings), 0
+    records: dict[int, int] = {}
+    damaged = f"table {spec.name!r}: a damaged run record in the log"
+    with env.begin(db=runs_db) as txn:
+        for key, value in txn.cursor():
+            first = int.from_bytes(key, "big")
+            if len(key) != 8 or len(value) % 8 or not value or first < end:
+                raise StoreCorruptError(damaged)
+            ids = np.frombuffer(value, dtype="<i8").astype(np.int64)
+            end = first + ids.shape[0]
+            seg = first // geo.segment
+            if (end - 1) // geo.segment != seg or ids.min() < 0:
+                raise StoreCorruptError(damaged)
+            try:
+                index.upsert(ids, np.arange(first, end, dtype=np.int64))
+            except IndexError as err:
+                raise StoreCorruptError(
+                    f"table {spec.name!r}: the log holds ids outside its id space"
+                ) from err
+            records[seg] = records.get(seg, 0) + ids.shape[0]
+    return index, records, -(-end // geo.block) * geo.block
+
+
+def scan_log(
+    env: Any, spec: TableSpec, *, segment_rows: int, chunk_rows: int, open_db: Callable[[bytes], Any]
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Rows of ``spec``'s table in a log-layout environment, ascending ids, in chunks of ``chunk_rows``
+    (``open_db(name)``: the named database, read-only, or None when absent)."""
+    runs_db = open_db(runs_name(spec.name))
+    if runs_db is None:
+        return
+    geo = Geometry.of(spec, segment_rows)
+    index, records, _ = replay_runs(env, runs_db, spec, geo)
+    segs = {seg: open_db(segment_name(spec.name, seg)) for seg in records}
+    ids, seqs = index.items()
+    del index
+    order = np.argsort(ids)
+    ids, seqs = ids[order], seqs[order]
+    for a in range(0, ids.shape[0], chunk_rows):
+        part = seqs[a : a + chunk_rows]
+        by_seq = np.argsort(part)
+        ordered = part[by_seq]
+        blocks, inverse = np.unique(ordered // geo.block, return_inverse=True)
+        keys = _keys(blocks)
+        values: list[bytes] = []
+        seg_of = blocks * geo.block // geo.segment
+        bounds = [0, *(np.flatnonzero(np.diff(seg_of)) + 1).tolist(), len(keys)]
+        with env.begin() as txn:
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                db = segs.get(int(seg_of[lo]))
+                values.extend(v for _, v in ([] if db is None else txn.cursor(db=db).getmulti(keys[lo:hi])))
+        if len(values) != len(keys):
+            raise StoreCorruptError(f"table {spec.name!r}: the log's blocks do not match its runs")
+        rows = np.empty((part.shape[0], spec.row_floats), dtype=np.float32)
+        rows[by_seq] = _rows_of_blocks(values, inverse, ordered % geo.block, spec)
+        yield ids[a : a + chunk_rows].copy(), rows
+
+
+@dataclass(slots=True)
+class LogStats:
+    """Counters of the log layout (all tables), for benchmarks and the write-amplification account."""
+
+    appended_rows: int = 0  # rows written by put_rows
+    copied_rows: int = 0  # rows copied by compaction
+    compactions: int = 0  # segments dropped
+    compact_s: float = 0.0  # wall time spent compacting
+
+
+@dataclass(slots=True)
+class _Table:
+    spec: TableSpec
+    geo: Geometry
+    index: SeqIndex
+    runs_db: Any
+    segs: dict[int, Any] = field(default_factory=dict)  # segment -> LMDB database
+    records: dict[int, int] = field(default_factory=dict)  # segment -> rows written into it
+    live: dict[int, int] = field(default_factory=dict)  # segment -> rows the index points at
+    next_seq: int = 0  # block-aligned
+    version: int = 0  # bumped at every publication (invalidates the sorted ids of scan)
+    sorted_ids: tuple[int, np.ndarray] | None = None
+
+
+class LogTables:
+    """The tables of one LMDB environment in the log layout.
+
+    Args:
+        env: the open environment (``max_dbs`` large enough for every table's segments).
+        tables: the tables.
+        layout: (segment rows of the store, ``compact_at``: dead share of a sealed segment at which it is
+            compacted, in (0, 1)).
+        locks: the backend's shared/exclusive lock (shared: reads and commits; exclusive: map resize,
+            segment drops) and its reader pool.
+        commit: ``commit(fill, need_bytes, num_rows, exclusive=False)`` runs ``fill(txn)`` in one write
+            transaction (run again whole after a map resize; LMDB errors mapped to StoreErrors).
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        tables: Sequence[TableSpec],
+        *,
+        layout: tuple[int, float],
+        locks: tuple[SharedExclusiveLock, ReaderPool],
+        commit: Commit,
+    ) -> None:
+        self._env = env
+        self._segment_rows, self._compact_at = layout
+        self._rw, self._readers = locks
+        self._commit = commit
+        self._index_lock = threading.Lock()  # index lookups and updates
+        self._write_lock = threading.Lock()  # one writer at a time (appends and compactions)
+        self.stats = LogStats()
+        self._tables = {t.name: self._load(t) for t in tables}
+
+    def _load(self, spec: TableSpec) -> _Table:
+        geo = Geometry.of(spec, self._segment_rows)
+        runs_db = self._env.open_db(runs_name(spec.name))
+        index, records, end = replay_runs(self._env, runs_db, spec, geo)
+        t = _Table(spec=spec, geo=geo, index=index, runs_db=runs_db, records=records, next_seq=end)
+        _, seqs = t.index.items()
+        segs, counts = np.unique(seqs // geo.segment, return_counts=True)
+        t.live = {k: 0 for k in t.records} | dict(zip(segs.tolist(), counts.tolist(), strict=True))
+        for seg in t.records:
+            t.segs[seg] = self._env.open_db(segment_name(spec.name, seg), create=False)
+        return t
+
+    # ----------------------------------------------------------------------------------------- reads
+    def num_rows(self, table: str) -> int:
+        return len(self._tables[table].index)
+
+    def get_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of (N,) ids: ((N,) found, (F, R) rows of the found ids in the order of ``ids``)."""
+        t = self._tables[table]
+        with self._rw.shared():
+            with self._index_lock:
+                seqs = t.index.lookup(ids)
+            found = seqs >= 0
+            want = seqs[found]
+            order = np.argsort(want, kind="stable")
+            ordered = want[order]  # ascending: each segment's blocks in file order
+            rows = np.empty((want.shape[0], t.spec.row_floats), dtype=np.float32)
+            if want.shape[0]:
+                rows[order] = self._read(t, ordered)
+        return found, rows
+
+    def _read(self, t: _Table, ordered: np.ndarray) -> np.ndarray:
+        """Rows of ascending sequence numbers (the caller holds the shared lock)."""
+        blocks, inverse = np.unique(ordered // t.geo.block, return_inverse=True)
+        keys = _keys(blocks)
+        seg_of = blocks * t.geo.block // t.geo.segment
+        cuts = set((np.flatnonzero(np.diff(seg_of)) + 1).tolist()) | {0, len(keys)}
+        cuts |= {run.start for run in self._readers.runs(len(keys))}
+        bounds = sorted(cuts)
+        pieces = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+        got = self._readers.map(functools.partial(self._read_blocks, t, keys, seg_of), pieces)
+        values = [v for run in got for _, v in run]
+        if len(values) != len(keys):
+            raise StoreCorruptError(f"table {t.spec.name!r}: the log index points at blocks that are missing")
+        return _rows_of_blocks(values, inverse, ordered % t.geo.block, t.spec)
+
+    def _read_blocks(
+        self, t: _Table, keys: list[bytes], seg_of: np.ndarray, run: slice
+    ) -> list[tuple[bytes, bytes]]:
+        with self._env.begin(db=t.segs[int(seg_of[run.start])]) as txn:
+            return txn.cursor().getmulti(keys[run])
+
+    def scan(self, table: str, *, after: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``limit`` stored rows with id > ``after``, ascending ids: ((n,) ids, (n, R) rows)."""
+        t = self._tables[table]
+        with self._index_lock:
+            if t.sorted_ids is None or t.sorted_ids[0] != t.version:
+                t.sorted_ids = (t.version, np.sort(t.index.items()[0]))
+            ids = t.sorted_ids[1]
+        start = int(np.searchsorted(ids, after, side="right"))
+        chunk = ids[start : start + limit]
+        found, rows = self.get_rows(table, chunk)
+        if not found.all():  # ids are never removed
+            raise StoreCorruptError(f"table {table!r}: the log index lost rows during a scan")
+        return chunk, rows
+
+    # ---------------------------------------------------------------------------------------- writes
+    def put_rows(self, writes: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> None:
+        """Append ``(table, (N,) unique ids, (N, R) rows)`` groups in one transaction, then compact."""
+        with self._write_lock:
+            staged: list[_Staged] = []
+            next_seq: dict[str, int] = {}
+            for table, ids, rows in writes:
+                t = self._tables[table]
+                first = next_seq.get(table, t.next_seq)
+                n = ids.shape[0]
+                staged.append((t, ids, rows, np.arange(first, first + n, dtype=np.int64)))
+                next_seq[table] = first + -(-n // t.geo.block) * t.geo.block
+            self._append(staged)
+            self.stats.appended_rows += sum(s[1].shape[0] for s in staged)
+            for table in dict.fromkeys(w[0] for w in writes):
+                self._compact_while_needed(self._tables[table])
+
+    def _append(self, staged: list[_Staged]) -> None:
+        staged = [
+            (t, np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(rows, dtype=np.float32), seqs)
+            for t, ids, rows, seqs in staged
+            if ids.shape[0]
+        ]
+        if not staged:
+            return
+        opened: dict[tuple[str, int], Any] = {}
+
+        def fill(txn: Any) -> None:
+            opened.clear()  # a transaction run again after a map resize opens its new segments again
+            for t, ids, rows, seqs in staged:
+                seq_keys = _keys(seqs)
+                for a, b in _split(seqs, t.geo.segment):
+                    seg = int(seqs[a]) // t.geo.segment
+                    db = t.segs.get(seg) or opened.get((t.spec.name, seg))
+                    if db is None:  # a new segment: created in this transaction, usable after its commit
+                        db = self._env.open_db(segment_name(t.spec.name, seg), txn=txn, create=True)
+                        opened[(t.spec.name, seg)] = db
+                    txn.cursor(db=db).putmulti(_blocks(rows[a:b], int(seqs[a]), t.geo.block), append=True)
+                    for r in range(a, b, RUN_IDS):
+                        txn.put(
+                            seq_keys[r],
+                            ids[r : min(b, r + RUN_IDS)].astype("<i8").tobytes(),
+                            db=t.runs_db,
+                            append=True,
+                        )
+
+        rows = sum(s[1].shape[0] for s in staged)
+        self._commit(fill, sum(s[2].nbytes + 16 * s[1].shape[0] for s in staged), rows)
+        for (name, seg), db in opened.items():
+            t = self._tables[name]
+            t.segs[seg] = db
+            t.records.setdefault(seg, 0)
+            t.live.setdefault(seg, 0)
+        self._publish(staged)
+
+    def _publish(self, staged: list[_Staged]) -> None:
+        """Point the index at committed records and count live rows per segment."""
+        with self._index_lock:
+            for t, ids, _, seqs in staged:
+                old = t.index.upsert(ids, seqs)
+                t.version += 1
+                t.next_seq = -(-(int(seqs[-1]) + 1) // t.geo.block) * t.geo.block
+                segs, counts = np.unique(old[old >= 0] // t.geo.segment, return_counts=True)
+                for seg, c in zip(segs.tolist(), counts.tolist(), strict=True):
+                    t.live[seg] -= c
+                for a, b in _split(seqs, t.geo.segment):
+                    seg = int(seqs[a]) // t.geo.segment
+                    t.records[seg] += b - a
+                    t.live[seg] += b - a
+
+    # ------------------------------------------------------------------------------------ compaction
+    def _victim(self, t: _Table) -> int | None:
+        """The sealed segment to compact now, or None."""
+        head = t.next_seq // t.geo.segment
+        sealed = [seg for seg in t.records if seg < head and t.records[seg] > t.live[seg]]
+        if not sealed:
+            return None
+        seg = min(sealed, key=lambda s: t.live[s] / t.records[s])
+        if t.records[seg] - t.live[seg] >= self._compact_at * t.records[seg]:
+            return seg
+        total = sum(t.records.values())
+        if total - len(t.index) >= self._compact_at * total:  # the log as a whole: its deadest segment
+            return seg
+        return None
+
+    def _compact_while_needed(self, t: _Table) -> None:
+        while (seg := self._victim(t)) is not None:
+            start = time.perf_counter()
+            self.compact(t.spec.name, seg)
+            self.stats.compact_s += time.perf_counter() - start
+
+    def compact(self, table: str, seg: int) -> None:
+        """Copy segment ``seg``'s live rows to the head, then drop it with its runs."""
+        t = self._tables[table]
+        run_keys, ids, seqs = self._runs_of(t, seg)
+        with self._index_lock:
+            alive = t.index.lookup(ids) == seqs
+        ids, seqs = ids[alive], seqs[alive]
+        for a in range(0, ids.shape[0], COPY_ROWS):
+            with self._rw.shared():
+                rows = self._read(t, seqs[a : a + COPY_ROWS])
+            first = t.next_seq
+            self._append(
+                [(t, ids[a : a + COPY_ROWS], rows, np.arange(first, first + rows.shape[0], dtype=np.int64))]
+            )
+            self.stats.copied_rows += rows.shape[0]
+        db = t.segs[seg]
+
+        def drop(txn: Any) -> None:
+            txn.drop(db, delete=True)
+            for key in run_keys:
+                txn.delete(key, db=t.runs_db)
+
+        self._commit(drop, 0, 0, exclusive=True)  # no reader is on its way to the dropped segment
+        with self._index_lock:
+            del t.segs[seg], t.records[seg], t.live[seg]
+        self.stats.compactions += 1
+
+    def _runs_of(self, t: _Table, seg: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """The run keys, ids and sequence numbers (ascending) of segment ``seg``."""
+        lo, hi = seg * t.geo.segment, (seg + 1) * t.geo.segment
+        run_keys, id_parts, seq_parts = [], [], []
+        with self._rw.shared(), self._env.begin(db=t.runs_db) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(_keys(np.array([lo]))[0]):
+                for key, value in cursor:
+                    first = int.from_bytes(key, "big")
+                    if first >= hi:
+                        break
+                    run_keys.append(bytes(key))
+                    id_parts.append(np.frombuffer(value, dtype="<i8").astype(np.int64))
+                    seq_parts.append(np.arange(first, first + id_parts[-1].shape[0], dtype=np.int64))
+        empty = np.empty(0, dtype=np.int64)
+        return run_keys, np.concatenate(id_parts or [empty]), np.concatenate(seq_parts or [empty])
+
+    def space(self, table: str) -> tuple[int, int]:
+        """(rows in the log, live rows) of ``table``."""
+        t = self._tables[table]
+        return sum(t.records.values()), len(t.index)
+
+
+def _split(seqs: np.ndarray, segment: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of ``seqs`` (consecutive numbers) that stay inside one segment."""
+    out, a, n = [], 0, seqs.shape[0]
+    while a < n:
+        b = min(n, a + (int(seqs[a]) // segment + 1) * segment - int(seqs[a]))
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _blocks(rows: np.ndarray, first_seq: int, block: int) -> list[tuple[bytes, bytes]]:
+    """(block key, packed rows) of ``rows`` numbered from the block-aligned ``first_seq``."""
+    n, row_bytes = rows.shape[0], rows.shape[1] * 4
+    full = n // block
+    flat = rows.reshape(-1)
+    values = flat[: full * block * rows.shape[1]].view(f"V{block * row_bytes}").tolist() if full else []
+    if full * block < n:
+        values.append(rows[full * block :].tobytes())
+    return list(zip(_keys(first_seq // block + np.arange(len(values))), values, strict=True))

@@ -1,0 +1,241 @@
+"""The log layout of the LMDB backend (embedding_store/lmdb_log.py) against a dict oracle: reads, scans,
+reopen, compaction with its space bound, reads racing the writer, and a SIGKILL anywhere in a compaction.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, TableSpec
+from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.lmdb_scan import scan_snapshot
+from embedding_store.log_index import DenseSeqIndex, HashSeqIndex
+
+sys.path.insert(0, str(Path(__file__).parent))
+import log_child  # noqa: E402
+
+BOUNDED = TableSpec(name="b", dim=2, optimizer=OptimizerKind.EXACT_SGD, num_embeddings=5000)
+UNBOUNDED = TableSpec(name="u", dim=3, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)
+FAULTS = Path(__file__).resolve().parents[1] / "faults"
+
+
+def _options(**kw: object) -> LmdbOptions:
+    return LmdbOptions(
+        **{"initial_map_size_bytes": 1 << 20, "log_segment_rows": 50, "log_compact_at": 0.5, **kw}
+    )
+
+
+def _open(path: Path, **kw: object) -> LmdbBackend:
+    return LmdbBackend(path, options=_options(**kw), seed=0, tables=[BOUNDED, UNBOUNDED])
+
+
+def _id_space(spec: TableSpec) -> int:
+    return spec.num_embeddings or 1 << 62
+
+
+class _Oracle:
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[int, np.ndarray]] = {"b": {}, "u": {}}
+
+    def put(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        self.rows[table].update(zip(ids.tolist(), rows, strict=True))
+
+    def check(self, backend: LmdbBackend, table: str, ids: np.ndarray) -> None:
+        found, rows = backend.get_rows(table, ids)
+        want = [i in self.rows[table] for i in ids.tolist()]
+        assert found.tolist() == want
+        expect = [self.rows[table][i] for i in ids[found].tolist()]
+        assert np.array_equal(rows, np.array(expect, dtype=np.float32).reshape(rows.shape))
+
+    def check_all(self, backend: LmdbBackend) -> None:
+        for table, rows in self.rows.items():
+            assert backend.num_rows(table) == len(rows)
+            got_ids, got_rows, after = [], [], -1
+            while True:
+                ids, chunk = backend.scan(table, after=after, limit=37)
+                if not ids.shape[0]:
+                    break
+                got_ids.append(ids)
+                got_rows.append(chunk)
+                after = int(ids[-1])
+            ids = np.concatenate(got_ids) if got_ids else np.empty(0, np.int64)
+            assert ids.tolist() == sorted(rows)
+            if ids.shape[0]:
+                assert np.array_equal(np.concatenate(got_rows), np.stack([rows[i] for i in ids.tolist()]))
+
+
+def _random_writes(rng: np.random.Generator, oracle: _Oracle, backend: LmdbBackend, steps: int) -> None:
+    for step in range(steps):
+        writes = []
+        for spec in (BOUNDED, UNBOUNDED):
+            pool = 300 if step % 3 else 3000  # mostly rewrites of a hot set: dead records to compact
+            ids = np.unique(
+                rng.integers(0, pool, size=int(rng.integers(0, 90))) * (1 if spec is BOUNDED else 7_777_777)
+            )
+            rows = rng.standard_normal((ids.shape[0], spec.row_floats)).astype(np.float32)
+            writes.append((spec.name, ids.astype(np.int64), rows))
+        backend.put_rows(writes)
+        for table, ids, rows in writes:
+            oracle.put(table, ids, rows)
+        if step % 10 == 0:
+            for spec in (BOUNDED, UNBOUNDED):
+                scale = 1 if spec is BOUNDED else 7_777_777
+                q = np.unique(rng.integers(0, 3200, size=120) * scale)
+                oracle.check(backend, spec.name, q.astype(np.int64))
+
+
+def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    oracle = _Oracle()
+    backend = _open(tmp_path / "env")
+    _random_writes(rng, oracle, backend, 120)
+    oracle.check_all(backend)
+    log = backend._log
+    assert log is not None and log.stats.compactions > 10 and log.stats.copied_rows > 0
+    for spec in (BOUNDED, UNBOUNDED):  # compaction bounds the space: live / (1 - 0.5), plus open segments
+        records, live = log.space(spec.name)
+        assert records <= 2 * live + 3 * 50, (spec.name, records, live)
+    backend.close()
+    backend = _open(tmp_path / "env", log_segment_rows=999)  # a store keeps its own segment size
+    oracle.check_all(backend)
+    _random_writes(rng, oracle, backend, 30)
+    oracle.check_all(backend)
+    backend.close()
+    for spec in (BOUNDED, UNBOUNDED):  # the read-only scan of a closed store sees the same rows
+        chunks = list(scan_snapshot(tmp_path / "env", spec, seed=0, chunk_rows=29))
+        ids = np.concatenate([c[0] for c in chunks])
+        assert ids.tolist() == sorted(oracle.rows[spec.name])
+        assert np.array_equal(
+            np.concatenate([c[1] for c in chunks]),
+            np.stack([oracle.rows[spec.name][i] for i in ids.tolist()]),
+        )
+
+
+def test_a_store_keeps_its_layout(tmp_path: Path) -> None:
+    ids, rows = np.array([1, 5]), np.ones((2, 2), np.float32)
+    for layout in ("btree", "log"):
+        backend = LmdbBackend(tmp_path / layout, options=_options(layout=layout), seed=0, tables=[BOUNDED])
+        backend.put_rows([("b", ids, rows)])
+        backend.close()
+        other = "log" if layout == "btree" else "btree"
+        backend = LmdbBackend(tmp_path / layout, options=_options(layout=other), seed=0, tables=[BOUNDED])
+        assert (backend._log is None) == (layout == "btree")
+        found, got = backend.get_rows("b", np.array([1, 2, 5]))
+        assert found.tolist() == [True, False, True] and np.array_equal(got, rows)
+        backend.close()
+
+
+def test_reads_racing_writes_and_compactions_always_find_committed_rows(tmp_path: Path) -> None:
+    """Every read sees each id that was committed before it began, with a version at least that new."""
+    backend = _open(tmp_path / "env", log_segment_rows=64, read_threads=4)
+    ids = np.arange(0, 2000, 7, dtype=np.int64)
+    committed = np.full(ids.shape[0], -1)  # version of each id known committed
+    stop, errors = threading.Event(), []
+
+    def reader() -> None:
+        rng = np.random.default_rng(1)
+        try:
+            while not stop.is_set():
+                pick = np.unique(rng.integers(0, ids.shape[0], size=300))
+                floor = committed[pick].copy()
+                found, rows = backend.get_rows("b", ids[pick])
+                want = floor >= 0
+                assert found[want].all(), "a committed row was not found"
+                got = np.full(pick.shape[0], -1.0)
+                got[found] = rows[:, 1]
+                assert (got[want] >= floor[want]).all(), "a read returned a row older than one committed"
+                assert np.array_equal(rows[:, 0], ids[pick][found].astype(np.float32))
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    rng = np.random.default_rng(2)
+    try:
+        for version in range(300):
+            pick = np.unique(rng.integers(0, ids.shape[0], size=60))
+            rows = np.stack([ids[pick], np.full(pick.shape[0], version)], axis=1).astype(np.float32)
+            backend.put_rows([("b", ids[pick], rows)])
+            committed[pick] = version
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
+    assert backend._log is not None and backend._log.stats.compactions > 20
+    backend.close()
+
+
+def test_damaged_runs_are_refused(tmp_path: Path) -> None:
+    backend = _open(tmp_path / "env")
+    backend.put_rows([("u", np.array([3, 9]), np.ones((2, 4), np.float32))])
+    with backend._env.begin(write=True) as txn:  # a run record of the wrong length
+        db = backend._log._tables["u"].runs_db  # type: ignore[union-attr]
+        txn.put((0).to_bytes(8, "big"), b"\x01\x02\x03", db=db)
+    backend.close()
+    with pytest.raises(StoreCorruptError, match="damaged run record"):
+        _open(tmp_path / "env")
+
+
+@pytest.mark.parametrize("index", [DenseSeqIndex(10_000), HashSeqIndex(4)])
+def test_seq_index_upserts_like_a_dict(index) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(3)
+    oracle: dict[int, int] = {}
+    for _ in range(50):
+        ids = np.unique(rng.integers(0, 10_000, size=int(rng.integers(1, 400))))
+        seqs = rng.integers(0, 1 << 40, size=ids.shape[0])
+        old = index.upsert(ids, seqs)
+        assert old.tolist() == [oracle.get(i, -1) for i in ids.tolist()]
+        oracle.update(zip(ids.tolist(), seqs.tolist(), strict=True))
+        q = rng.integers(0, 10_000, size=500)
+        assert index.lookup(q).tolist() == [oracle.get(i, -1) for i in q.tolist()]
+        assert len(index) == len(oracle)
+    ids, seqs = index.items()
+    assert dict(zip(ids.tolist(), seqs.tolist(), strict=True)) == oracle
+
+
+def _kill_in_compaction(tmp_path: Path, seed: int, kills: int) -> None:
+    """Run the child, SIGKILLed inside its n-th compaction, ``kills`` times; after each kill the reopened
+    store must be the oracle after some batch, at least the last one a finished run wrote."""
+    store = tmp_path / "store"
+    store.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAULTS), *sys.path])}
+    done = -1  # last batch known committed
+    for _ in range(kills):
+        n = int(rng.integers(1, 12))
+        child = subprocess.run(
+            [sys.executable, str(Path(log_child.__file__)), str(store), str(seed), str(done + 1), "60"],
+            env={**env, "TIERREC_FAULT": f"compact:kill:{n}"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert child.returncode == -9, (child.returncode, child.stderr[-2000:])
+        backend = log_child.open_backend(store)
+        ids, rows = backend.scan("t", after=-1, limit=1 << 30)
+        backend.close()
+        upto = int(rows[:, 1].max())
+        assert done <= upto < done + 61
+        want = log_child.expected(seed, upto)
+        assert ids.tolist() == sorted(want)
+        assert np.array_equal(rows, np.array([want[i] for i in ids.tolist()], dtype=np.float32))
+        done = upto
+
+
+def test_sigkill_inside_compaction_leaves_a_committed_prefix(tmp_path: Path) -> None:
+    _kill_in_compaction(tmp_path, seed=0, kills=2)
+
+
+@pytest.mark.slow
+def test_sigkill_inside_compaction_many_times(tmp_path: Path) -> None:
+    for seed in range(3):
+        _kill_in_compaction(tmp_path / str(seed), seed=seed, kills=6)
