@@ -90,8 +90,8 @@ class ReaderPool:
     def map(self, read: Callable[[slice], T], runs: list[slice]) -> list[T]:
         """``[read(run) for run in runs]``, the runs at the same time. Returns once every run ended; an
         error of one run is raised after the others ended (none outlives the call)."""
-        if len(runs) == 1:
-            return [read(runs[0])]
+        if len(runs) == 1 or self._threads == 1:
+            return [read(run) for run in runs]
         pool = self._executor()
         futures = [pool.submit(read, run) for run in runs[1:]]
         try:

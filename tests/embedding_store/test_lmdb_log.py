@@ -91,10 +91,11 @@ def _random_writes(rng: np.random.Generator, oracle: _Oracle, backend: LmdbBacke
                 oracle.check(backend, spec.name, q.astype(np.int64))
 
 
-def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 16])
+def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path, threads: int) -> None:
     rng = np.random.default_rng(0)
     oracle = _Oracle()
-    backend = _open(tmp_path / "env")
+    backend = _open(tmp_path / "env", read_threads=threads)
     _random_writes(rng, oracle, backend, 120)
     oracle.check_all(backend)
     log = backend._log
