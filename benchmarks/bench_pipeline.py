@@ -67,18 +67,16 @@ Usage: python benchmarks/bench_pipeline.py [--quick] [--repeats 5] [--lookahead 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from harness import emit, machine_info, two_thread_speedup
+from harness import emit, machine_info, quiet, two_thread_speedup
 from tiered_training.cold import cold
 from tiered_training.delays import delays
 from tiered_training.hit_rates import hit_rates
@@ -93,15 +91,6 @@ EXPERIMENTS: dict[str, Callable[[DistEnv, argparse.Namespace], dict[str, Any]]] 
     "delays": delays,
     "hit_rates": hit_rates,
 }
-
-
-def quiet() -> None:
-    """No planner chatter or warnings: the output is one JSON record per line (the progress bar is
-    silenced through the trainer's spec, see ``tiered_training.runs``)."""
-    logging.getLogger().setLevel(logging.ERROR)
-    for name in ("torchrec", "recsys", "pipelines", "torch"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""Cold reads of the SSD tier: the store's tier prefetch of rows whose LMDB pages are not in the page cache,
-against the disk's own random-read rate, measured in the same run.
+"""The SSD tier at disk speed: cold reads through tier prefetch against the disk's own random-read rate, and
+sustained write-back into a large store against LMDB's sorted bulk append, each measured in the same run.
 
 1. Fill: ``--rows`` rows of ``--dim`` floats + row-wise Adagrad (dim 64: 260 bytes) through
    ``LmdbBackend.put_rows`` in sorted bulk transactions, then fsync.
@@ -21,7 +21,17 @@ the sizes. Each prefetch repeat is followed by a warm one of the same batches (a
 pages now cached): ``warm_parallel_vs_sequential`` is what splitting costs where no read faults. The store
 (``--dir``) is deleted at the end unless ``--keep``.
 
+4. Write-back (``benchmarks/ssd_store_writeback.py``): a log-layout store of ``--writeback-base-rows``
+   hashed ids (default 50 M, ~13 GiB), random stored ids written back in transactions of
+   ``--writeback-batch`` rows until compaction runs, then a measured window of ``--writeback-rows``;
+   the same number of rows appended in id order into an empty LMDB; then the B-tree layout on a base of
+   the same size for ``--btree-rows``. Adds ``writeback_vs_append``, ``write_amplification`` (bytes to
+   the disk per byte of rows written back in the window, compaction included) and the B-tree's
+   ``btree_writeback_vs_append`` / ``btree_write_amplification`` to the last line. Needs ~3x the base's
+   size of free disk; ``--skip-writeback`` / ``--skip-reads`` run one half.
+
 Usage: python benchmarks/bench_ssd.py [--rows 4000000] [--dir /tmp/bench_ssd] [--quick]
+       [--writeback-base-rows 50000000] [--writeback-rows 20000000] [--btree-rows 1000000]
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 from harness import alternate, emit, machine_info
+from ssd_store_writeback import run_writeback
 from tiered_training.cold import cached_fraction, drop_page_cache
 
 from embedding_store import LmdbOptions, OptimizerKind, StoreConfig, TableSpec, Tier, TieredStore
@@ -192,13 +203,47 @@ def main() -> None:
     parser.add_argument("--fio", action="store_true", help="measure the disk with fio where installed")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_ssd"))
     parser.add_argument("--keep", action="store_true", help="keep the store")
-    parser.add_argument("--quick", action="store_true", help="400k rows, 4 batches, 1 repeat, no sweep")
+    parser.add_argument("--quick", action="store_true", help="small sizes throughout (a smoke run)")
+    parser.add_argument("--writeback-base-rows", type=int, default=50_000_000, help="rows before write-back")
+    parser.add_argument("--writeback-rows", type=int, default=20_000_000, help="rows of the measured window")
+    parser.add_argument(
+        "--writeback-batch", type=int, default=1 << 15, help="rows per write-back transaction"
+    )
+    parser.add_argument("--btree-rows", type=int, default=1_000_000, help="B-tree layout window (0: skip)")
+    parser.add_argument("--skip-writeback", action="store_true")
+    parser.add_argument("--skip-reads", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.batches, args.repeats, args.sweep = 400_000, 4, 1, ""
+        args.writeback_base_rows, args.writeback_rows, args.btree_rows = 1_000_000, 1_000_000, 100_000
+    emit({"machine": machine_info("numpy", "lmdb")})
+    summary: dict[str, Any] = {}
+    if not args.skip_reads:
+        summary.update(cold_reads(args))
+    if not args.skip_writeback:
+        try:
+            wb = run_writeback(
+                args.dir,
+                base_rows=args.writeback_base_rows,
+                window_rows=args.writeback_rows,
+                btree_rows=args.btree_rows,
+                batch_rows=args.writeback_batch,
+            )
+        finally:
+            if not args.keep:
+                shutil.rmtree(args.dir, ignore_errors=True)
+        for part in ("log", "append", "btree"):
+            if part in wb:
+                emit({"experiment": "writeback", "variant": part, **wb.pop(part)})
+        summary.update(wb)
+    summary["load_avg_1m_end"] = os.getloadavg()[0]  # other processes share the disk and the CPUs
+    emit(summary, digits=3)
+
+
+def cold_reads(args: argparse.Namespace) -> dict[str, Any]:
+    """Steps 1-3: the summary's cold-read keys."""
     spec = spec_of(args.dim)
     default = LmdbOptions().read_threads
-    emit({"machine": machine_info("numpy", "lmdb")})
     path = args.dir / "store"
     fill_s = fill(path, spec, args.rows)
     store_bytes = (path / "data.mdb").stat().st_size
@@ -248,38 +293,34 @@ def main() -> None:
     dsk = [r["reads_per_s"] for r in runs["disk"]]
     warm_seq = [r["warm"]["rows_per_s"] for r in runs["sequential"]]
     warm_par = [r["warm"]["rows_per_s"] for r in runs["parallel"]]
-    emit(
-        {
-            "cold_read_vs_disk": statistics.median(par) / statistics.median(dsk),
-            "cold_rows_per_s_sequential": statistics.median(seq),
-            "cold_rows_per_s_parallel": statistics.median(par),
-            "parallel_vs_sequential": statistics.median(par) / statistics.median(seq),
-            "disk_random_4k_reads_per_s": statistics.median(dsk),
-            "warm_rows_per_s_sequential": statistics.median(warm_seq),
-            "warm_rows_per_s_parallel": statistics.median(warm_par),
-            "warm_parallel_vs_sequential": statistics.median(warm_par) / statistics.median(warm_seq),
-            "read_threads": default,
-            "disk_depth": args.depth,
-            "disk_tool": runs["disk"][0]["tool"],
-            "spread": {
-                "sequential": spread(seq),
-                "parallel": spread(par),
-                "disk": spread(dsk),
-                "warm_sequential": spread(warm_seq),
-                "warm_parallel": spread(warm_par),
-            },
-            "cold_read_vs_disk_runs": [p / d for p, d in zip(par, dsk, strict=True)],
-            "sweep_rows_per_s": {r["read_threads"]: r["rows_per_s"] for r in swept},
-            "rows_stored": args.rows,
-            "row_bytes": spec.row_bytes,
-            "data_mdb_mib": store_bytes / 2**20,
-            "rows_per_measurement": per_run,
-            "batch_ids": args.batch,
-            "repeats": args.repeats,
-            "load_avg_1m_end": os.getloadavg()[0],  # other processes share the disk and the CPUs
+    return {
+        "cold_read_vs_disk": statistics.median(par) / statistics.median(dsk),
+        "cold_rows_per_s_sequential": statistics.median(seq),
+        "cold_rows_per_s_parallel": statistics.median(par),
+        "parallel_vs_sequential": statistics.median(par) / statistics.median(seq),
+        "disk_random_4k_reads_per_s": statistics.median(dsk),
+        "warm_rows_per_s_sequential": statistics.median(warm_seq),
+        "warm_rows_per_s_parallel": statistics.median(warm_par),
+        "warm_parallel_vs_sequential": statistics.median(warm_par) / statistics.median(warm_seq),
+        "read_threads": default,
+        "disk_depth": args.depth,
+        "disk_tool": runs["disk"][0]["tool"],
+        "spread": {
+            "sequential": spread(seq),
+            "parallel": spread(par),
+            "disk": spread(dsk),
+            "warm_sequential": spread(warm_seq),
+            "warm_parallel": spread(warm_par),
         },
-        digits=3,
-    )
+        "cold_read_vs_disk_runs": [p / d for p, d in zip(par, dsk, strict=True)],
+        "sweep_rows_per_s": {r["read_threads"]: r["rows_per_s"] for r in swept},
+        "rows_stored": args.rows,
+        "row_bytes": spec.row_bytes,
+        "data_mdb_mib": store_bytes / 2**20,
+        "rows_per_measurement": per_run,
+        "batch_ids": args.batch,
+        "repeats": args.repeats,
+    }
 
 
 if __name__ == "__main__":

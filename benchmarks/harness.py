@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import platform
 import resource
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,3 +327,12 @@ def run_child(
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args[:2])} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
     return last_json(proc.stdout)
+
+
+def quiet() -> None:
+    """No planner chatter or warnings: the output is one JSON record per line (a trainer's progress
+    bar is silenced through its spec, see ``tiered_training.runs``)."""
+    logging.getLogger().setLevel(logging.ERROR)
+    for name in ("torchrec", "recsys", "pipelines", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")

@@ -99,6 +99,10 @@ class StoreSection:
         max_lmdb_bytes: cap on each rank's LMDB map (0: none, grow until the disk is full). A write that
             would pass it stops the run with a one-line error naming the store and the space it needed;
             nothing is half-written.
+        unmap_every_rows: 0 keeps every LMDB page a read touched mapped into the process (fastest while the
+            store fits in memory; the pages count toward RSS); N > 0 drops the mapping's pages after every N
+            rows read or written (the page cache keeps them), which bounds RSS for a store larger than RAM
+            (``embedding_store.LmdbOptions.unmap_every_rows``).
     """
 
     tiered: bool = False
@@ -111,8 +115,13 @@ class StoreSection:
     capacity: dict[str, TableCapacity] = field(default_factory=dict)
     capacities_from: str = ""
     max_lmdb_bytes: int = 0
+    unmap_every_rows: int = 0
 
     def __post_init__(self) -> None:
+        if self.unmap_every_rows < 0:
+            raise ValueError(
+                f"unmap_every_rows must be 0 (off) or a positive number of rows, got {self.unmap_every_rows}"
+            )
         if self.max_lmdb_bytes != 0 and self.max_lmdb_bytes < 1 << 16:
             raise ValueError(f"max_lmdb_bytes must be 0 (no cap) or >= 65536, got {self.max_lmdb_bytes}")
         if self.device_rows < 1:

@@ -65,13 +65,16 @@ def row_bytes(sparse: SparseConfig, dim: int) -> int:
     return 4 * (dim + sparse.optimizer.state_floats(dim))
 
 
-def _lmdb_options(max_bytes: int) -> LmdbOptions:
-    """LMDB options with the map capped at ``max_bytes`` (0: no cap)."""
+def _lmdb_options(max_bytes: int, unmap_every_rows: int) -> LmdbOptions:
+    """LMDB options with the map capped at ``max_bytes`` (0: no cap) and mapped pages dropped after every
+    ``unmap_every_rows`` rows (0: never)."""
+    unmap = unmap_every_rows or None
     if not max_bytes:
-        return LmdbOptions()
+        return LmdbOptions(unmap_every_rows=unmap)
     return LmdbOptions(
         initial_map_size_bytes=min(LmdbOptions().initial_map_size_bytes, max_bytes),
         max_map_size_bytes=max_bytes,
+        unmap_every_rows=unmap,
     )
 
 
@@ -129,7 +132,7 @@ class TierPlan:
                 host_capacity_rows=section.host_rows,
                 policy=section.policy,
                 lookahead_batches=section.lookahead,
-                lmdb=_lmdb_options(section.max_lmdb_bytes),
+                lmdb=_lmdb_options(section.max_lmdb_bytes, section.unmap_every_rows),
             ),
             optimizer=sparse.optimizer,
             init_scale=sparse.init_scale,

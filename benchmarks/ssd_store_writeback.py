@@ -1,0 +1,178 @@
+"""Sustained write-back through the store's LMDB backend into a store that already holds ``base_rows`` rows,
+against LMDB's sorted bulk append of the same number of rows, measured in the same run (bench_ssd.py).
+
+1. Fill: ``base_rows`` hashed 64-bit ids (``ssd_writeback.hashed_ids``) of 260-byte rows (dim 64 + one
+   row-wise Adagrad float), in sorted bulk ``put_rows`` of 1 M rows, then synced.
+2. Write-back: transactions of ``batch_rows`` random stored ids (sorted and unique within each, as the
+   background writer commits them), each row tagged with its write's number. In the log layout, writes
+   run until compaction has started (``warm``: a fresh log has nothing dead to compact) and then the
+   measured window of ``window_rows`` rows, compaction included; the B-tree layout has no warm-up.
+   The window starts after a sync and ends with ``sync`` + ``os.sync()``: its bytes reached the device.
+3. Append baseline: the same number of rows under sorted fresh keys, ``putmulti(append=True)`` in
+   transactions of ``batch_rows`` into an empty id-keyed LMDB, synced the same way.
+4. Check: 1,000 sampled ids read back through the backend equal the newest write of each (an array
+   oracle of write numbers).
+
+Write amplification = bytes the process handed the kernel (``wchar``) or the device wrote, whichever is
+less (``ssd_writeback._wa``), per byte of rows written back in the window.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+from ssd_writeback import ROW_BYTES, _Io, _wa, hashed_ids
+
+from embedding_store import LmdbOptions, OptimizerKind, TableSpec
+from embedding_store.lmdb_backend import LmdbBackend
+
+SPEC = TableSpec(name="t", dim=64, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)
+FILL_ROWS = 1 << 20
+MAP_BYTES = 1 << 37  # address space only: LMDB does not preallocate
+CHECK_ROWS = 1000
+
+
+def _rows(ids: np.ndarray, version: int) -> np.ndarray:
+    """Row of ``id`` written by write ``version``: [version, id mod 2^20, 0, ...]."""
+    rows = np.zeros((ids.shape[0], SPEC.row_floats), dtype=np.float32)
+    rows[:, 0] = version
+    rows[:, 1] = ids & 0xFFFFF
+    return rows
+
+
+def _synced(path: Path, backend: LmdbBackend | None = None, env: lmdb.Environment | None = None) -> None:
+    if backend is not None:
+        backend.sync()
+    if env is not None:
+        env.sync(True)
+    os.sync()
+
+
+def append_baseline(root: Path, rows: int, batch_rows: int) -> dict[str, Any]:
+    """``rows`` rows under sorted fresh keys appended in transactions of ``batch_rows`` (then synced)."""
+    path = root / "append"
+    path.mkdir(parents=True, exist_ok=True)
+    env = lmdb.open(str(path), map_size=MAP_BYTES, sync=False, metasync=False, readahead=False, max_dbs=4)
+    db = env.open_db(b"rows")
+    io = _Io(path)
+    start = time.perf_counter()
+    for lo in range(0, rows, batch_rows):
+        ids = np.arange(lo, min(rows, lo + batch_rows), dtype=np.int64)
+        keys = ids.astype(">u8").view("V8").tolist()
+        values = _rows(ids, 0).reshape(-1).view(f"V{ROW_BYTES}").tolist()
+        with env.begin(write=True) as txn:
+            txn.cursor(db=db).putmulti(list(zip(keys, values, strict=True)), append=True)
+    _synced(path, env=env)
+    seconds = time.perf_counter() - start
+    disk = io.delta()
+    env.close()
+    shutil.rmtree(path, ignore_errors=True)
+    return {
+        "rows": rows,
+        "seconds": seconds,
+        "rows_per_s": rows / seconds,
+        "write_amplification": _wa(disk, rows),
+    }
+
+
+def store_writeback(
+    root: Path, *, layout: str, base_rows: int, window_rows: int, batch_rows: int, seed: int = 0
+) -> dict[str, Any]:
+    """Fill, (warm,) measured write-back window and read-back check of one layout; the store is deleted."""
+    path = root / f"store_{layout}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    options = LmdbOptions(initial_map_size_bytes=MAP_BYTES, layout=layout)
+    backend = LmdbBackend(path, options=options, seed=0, tables=[SPEC])
+    ids = hashed_ids(base_rows)
+    version = np.zeros(base_rows, dtype=np.int32)  # newest write of each base id (0: the fill)
+    start = time.perf_counter()
+    for lo in range(0, base_rows, FILL_ROWS):
+        backend.put_rows([("t", ids[lo : lo + FILL_ROWS], _rows(ids[lo : lo + FILL_ROWS], 0))])
+    _synced(path, backend)
+    out: dict[str, Any] = {"layout": layout, "base_rows": base_rows, "fill_s": time.perf_counter() - start}
+    rng = np.random.default_rng(seed)
+    log = backend._log
+    writes = [0]
+
+    def write_back() -> int:
+        writes[0] += 1
+        pick = np.unique(rng.integers(0, base_rows, size=batch_rows))
+        backend.put_rows([("t", ids[pick], _rows(ids[pick], writes[0]))])
+        version[pick] = writes[0]
+        return int(pick.shape[0])
+
+    warm, start = 0, time.perf_counter()
+    while log is not None and log.stats.compactions == 0:
+        warm += write_back()
+    out.update(warm_rows=warm, warm_s=time.perf_counter() - start)
+    _synced(path, backend)
+    before = (log.stats.copied_rows, log.stats.compactions, log.stats.compact_s) if log else (0, 0, 0.0)
+    io, written, start = _Io(path), 0, time.perf_counter()
+    while written < window_rows:
+        written += write_back()
+    unsynced = time.perf_counter() - start
+    _synced(path, backend)
+    seconds = time.perf_counter() - start
+    disk = io.delta()
+    out.update(window_rows=written, seconds=seconds, rows_per_s=written / seconds)
+    out.update(rows_per_s_unsynced=written / unsynced, write_amplification=_wa(disk, written), disk=disk)
+    out["disk_reads_per_row"] = disk["read_bytes"] / 4096 / written
+    if log is not None:
+        records, live = log.space("t")
+        out.update(
+            copied_rows=log.stats.copied_rows - before[0],
+            compactions=log.stats.compactions - before[1],
+            compact_s=log.stats.compact_s - before[2],
+            records_per_live_row=records / live,
+        )
+    out["data_mdb_gib"] = (path / "data.mdb").stat().st_size / 2**30
+    sample = rng.choice(base_rows, CHECK_ROWS, replace=False)
+    sample.sort()
+    found, got = backend.get_rows("t", ids[sample])
+    if not found.all() or not np.array_equal(got, _rows(ids[sample], 0) + _version_column(version[sample])):
+        raise AssertionError(f"{layout}: rows read back differ from the newest writes")
+    out["checked_rows"] = CHECK_ROWS
+    backend.close()
+    shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def _version_column(versions: np.ndarray) -> np.ndarray:
+    col = np.zeros((versions.shape[0], SPEC.row_floats), dtype=np.float32)
+    col[:, 0] = versions
+    return col
+
+
+def run_writeback(root: Path, *, base_rows: int, window_rows: int, btree_rows: int, batch_rows: int) -> dict:
+    """The log layout (measured window), the append baseline of the same rows, and the B-tree layout
+    (``btree_rows`` rows; 0: skipped). Returns the summary's write-back keys."""
+    log = store_writeback(
+        root, layout="log", base_rows=base_rows, window_rows=window_rows, batch_rows=batch_rows
+    )
+    append = append_baseline(root, log["window_rows"], batch_rows)
+    out: dict[str, Any] = {
+        "writeback_vs_append": log["rows_per_s"] / append["rows_per_s"],
+        "write_amplification": log["write_amplification"]["disk"],
+        "writeback_rows_per_s": log["rows_per_s"],
+        "append_rows_per_s": append["rows_per_s"],
+        "append_write_amplification": append["write_amplification"]["disk"],
+        "log": log,
+        "append": append,
+    }
+    if btree_rows:
+        btree = store_writeback(
+            root, layout="btree", base_rows=base_rows, window_rows=btree_rows, batch_rows=batch_rows
+        )
+        out.update(
+            btree_writeback_vs_append=btree["rows_per_s"] / append["rows_per_s"],
+            btree_write_amplification=btree["write_amplification"]["disk"],
+            btree=btree,
+        )
+    return out
