@@ -31,7 +31,7 @@ pages now cached): ``warm_parallel_vs_sequential`` is what splitting costs where
    size of free disk; ``--skip-writeback`` / ``--skip-reads`` run one half.
 
 Usage: python benchmarks/bench_ssd.py [--rows 4000000] [--dir /tmp/bench_ssd] [--quick]
-       [--writeback-base-rows 50000000] [--writeback-rows 20000000] [--btree-rows 1000000]
+       [--writeback-base-rows 50000000] [--writeback-rows 30000000] [--btree-rows 1000000]
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the store")
     parser.add_argument("--quick", action="store_true", help="small sizes throughout (a smoke run)")
     parser.add_argument("--writeback-base-rows", type=int, default=50_000_000, help="rows before write-back")
-    parser.add_argument("--writeback-rows", type=int, default=20_000_000, help="rows of the measured window")
+    parser.add_argument("--writeback-rows", type=int, default=30_000_000, help="rows of the measured window")
     parser.add_argument(
         "--writeback-batch", type=int, default=1 << 15, help="rows per write-back transaction"
     )

@@ -31,7 +31,10 @@ import ``lmdb``; this module is handed the environment, and LMDB's errors are ma
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -63,6 +66,10 @@ RUN_IDS = 240
 BLOCK_BYTES = 4096 - 16
 # Live rows of a compaction's copy per transaction (bounds the dirty pages and the blocks held).
 COPY_ROWS = 1 << 16
+
+# Blocks farther apart than this in the map are asked for in separate read-ahead ranges.
+_WILLNEED_GAP = 1 << 20
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 Commit = Callable[..., None]  # commit(fill(txn), need_bytes, num_rows, exclusive=False)
 _Staged = tuple["_Table", np.ndarray, np.ndarray, np.ndarray]  # table, (N,) ids, (N, R) rows, (N,) seqs
@@ -394,6 +401,9 @@ class LogTables:
         with self._index_lock:
             alive = t.index.lookup(ids) == seqs
         ids, seqs = ids[alive], seqs[alive]
+        if ids.shape[0]:
+            with self._rw.shared():
+                self._read_ahead(t.segs[seg])
         for a in range(0, ids.shape[0], COPY_ROWS):
             with self._rw.shared():
                 rows = self._read(t, seqs[a : a + COPY_ROWS])
@@ -413,6 +423,32 @@ class LogTables:
         with self._index_lock:
             del t.segs[seg], t.records[seg], t.live[seg]
         self.stats.compactions += 1
+
+    def _read_ahead(self, db: Any) -> None:
+        """Ask the kernel to read a segment's blocks ahead (``MADV_WILLNEED`` over their address ranges).
+
+        A compaction reads a whole segment, whose blocks lie mostly in file order, but LMDB maps the file
+        for random reads (no read-ahead): one 4 KiB fault at a time would make it a random reader of a
+        sequential region. The blocks' addresses come from the leaf pages (a block is an overflow page,
+        which taking its address does not touch); runs of them less than ``_WILLNEED_GAP`` apart are one
+        range each. The caller holds the shared lock (no map resize meanwhile).
+        """
+        if _LIBC is None:
+            return
+        with self._env.begin(db=db, buffers=True) as txn:
+            addrs = np.fromiter(
+                (np.frombuffer(v, dtype=np.uint8).ctypes.data for v in txn.cursor().iternext(keys=False)),
+                dtype=np.int64,
+            )
+        if not addrs.shape[0]:
+            return
+        addrs.sort()
+        page = mmap.PAGESIZE
+        cuts = np.flatnonzero(np.diff(addrs) > _WILLNEED_GAP) + 1
+        for lo, hi in zip(np.r_[0, cuts].tolist(), np.r_[cuts, addrs.shape[0]].tolist(), strict=True):
+            start = int(addrs[lo]) // page * page
+            end = int(addrs[hi - 1]) + BLOCK_BYTES
+            _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_WILLNEED)
 
     def _runs_of(self, t: _Table, seg: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         """The run keys, ids and sequence numbers (ascending) of segment ``seg``."""
