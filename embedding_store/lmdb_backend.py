@@ -197,7 +197,7 @@ class LmdbBackend:
                     tables,
                     layout=(segment_rows, options.log_compact_at),
                     locks=(self._rw, self._readers),
-                    commit=self._commit,
+                    io=(self._commit, self._count_read),
                 )
                 return
             self._dbs = {t.name: self._env.open_db(t.name.encode(), create=True) for t in tables}

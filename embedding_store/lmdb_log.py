@@ -215,8 +215,9 @@ class LogTables:
             compacted, in (0, 1)).
         locks: the backend's shared/exclusive lock (shared: reads and commits; exclusive: map resize,
             segment drops) and its reader pool.
-        commit: ``commit(fill, need_bytes, num_rows, exclusive=False)`` runs ``fill(txn)`` in one write
-            transaction (run again whole after a map resize; LMDB errors mapped to StoreErrors).
+        io: ``commit(fill, need_bytes, num_rows, exclusive=False)``, which runs ``fill(txn)`` in one write
+            transaction (run again whole after a map resize; LMDB errors mapped to StoreErrors), and
+            ``count_read(rows)``, told of every read (it drops the mapped pages every so many rows).
     """
 
     def __init__(
@@ -226,12 +227,12 @@ class LogTables:
         *,
         layout: tuple[int, float],
         locks: tuple[SharedExclusiveLock, ReaderPool],
-        commit: Commit,
+        io: tuple[Commit, Callable[[int], None]],
     ) -> None:
         self._env = env
         self._segment_rows, self._compact_at = layout
         self._rw, self._readers = locks
-        self._commit = commit
+        self._commit, self._count_read = io
         self._index_lock = threading.Lock()  # index lookups and updates
         self._write_lock = threading.Lock()  # one writer at a time (appends and compactions)
         self.stats = LogStats()
@@ -278,6 +279,7 @@ class LogTables:
         bounds = sorted(cuts)
         pieces = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
         got = self._readers.map(functools.partial(self._read_blocks, t, keys, seg_of), pieces)
+        self._count_read(len(keys))
         values = [v for run in got for _, v in run]
         if len(values) != len(keys):
             raise StoreCorruptError(f"table {t.spec.name!r}: the log index points at blocks that are missing")
