@@ -37,9 +37,11 @@ test: lint
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
-# Kill anywhere: SIGKILL a 2-rank tiered run at 5 random moments, resume, compare digests (~3 min on 2 cores).
+# Kill anywhere: SIGKILL a 2-rank tiered run at 5 random moments, resume, compare digests (~3 min on 2 cores);
+# then SIGKILL a log-layout store 18 times inside compactions and check each reopened store (~1 min).
 crash-test: $(STAMP)
-	$(BIN)/python -m pytest -m slow -s tests/recsys/test_crash.py
+	$(BIN)/python -m pytest -m slow -s tests/recsys/test_crash.py \
+		tests/embedding_store/test_lmdb_log.py::test_sigkill_inside_compaction_many_times
 
 format: $(STAMP)
 	$(BIN)/ruff format .

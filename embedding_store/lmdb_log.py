@@ -69,6 +69,7 @@ COPY_ROWS = 1 << 16
 
 # Blocks farther apart than this in the map are asked for in separate read-ahead ranges.
 _WILLNEED_GAP = 1 << 20
+_WILLNEED_CHUNK = 128 << 10  # the kernel's default read-ahead window
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 Commit = Callable[..., None]  # commit(fill(txn), need_bytes, num_rows, exclusive=False)
@@ -450,7 +451,11 @@ class LogTables:
         for lo, hi in zip(np.r_[0, cuts].tolist(), np.r_[cuts, addrs.shape[0]].tolist(), strict=True):
             start = int(addrs[lo]) // page * page
             end = int(addrs[hi - 1]) + BLOCK_BYTES
-            _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_WILLNEED)
+            # The kernel reads at most its read-ahead window per call (force_page_cache_ra), so a range
+            # is asked for in pieces no larger than the smallest usual window.
+            for at in range(start, end, _WILLNEED_CHUNK):
+                size = min(_WILLNEED_CHUNK, end - at)
+                _LIBC.madvise(ctypes.c_void_p(at), ctypes.c_size_t(size), mmap.MADV_WILLNEED)
 
     def _runs_of(self, t: _Table, seg: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         """The run keys, ids and sequence numbers (ascending) of segment ``seg``."""
