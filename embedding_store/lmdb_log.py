@@ -4,7 +4,7 @@ In an id-keyed B-tree much larger than a transaction, every written-back row rew
 page (docs/tiers.md, "Write-back by write time"). In this layout a table's rows are records of a log:
 
 - every write gives its rows the table's next *sequence numbers*; rows with consecutive numbers are
-  packed into *blocks* of up to ``rows_per_block`` rows (as many as fit one 4 KiB page), each an LMDB
+  packed into *blocks* of up to ``Geometry.block`` rows (as many as fit half a 4 KiB page), each an LMDB
   value keyed by its 8-byte big-endian block number and appended (``putmulti(append=True)``) to the
   *segment* holding it: one LMDB sub-database per ``segment_rows`` numbers. Every write starts a block;
 - the ids of each write go to the table's *runs* database (key: the run's first sequence number,
@@ -24,17 +24,14 @@ its drop is a newer record of the same row (same bytes), and its old segment is 
 
 Reads look up the ids, sort their sequence numbers (a segment's blocks are then read in file order),
 and read each block holding one of them once, in runs spread over the backend's reader pool: one page
-read per cold row, as in the B-tree (a block is one overflow page; the leaf pages that point at blocks
-are ~1/170 of the file and stay cached). Only :mod:`embedding_store.lmdb_backend` and ``lmdb_scan``
+read per cold row, as in the B-tree (blocks are leaf values: LMDB touches the page while it searches,
+outside the interpreter lock, so the runs' faults are in flight together). Only :mod:`embedding_store.lmdb_backend` and ``lmdb_scan``
 import ``lmdb``; this module is handed the environment, and LMDB's errors are mapped there.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import mmap
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -62,15 +59,14 @@ __all__ = [
 # Ids per runs record: 8 + 8 * 240 bytes stays below LMDB's largest in-page value (~2 KiB with 4 KiB
 # pages), so no record needs an overflow page (a search of the free list for contiguous pages).
 RUN_IDS = 240
-# A block's bytes at most: one 4 KiB overflow page less its header.
-BLOCK_BYTES = 4096 - 16
+# A block's bytes at most: the largest value LMDB keeps inside a 4 KiB leaf page (two blocks a page). A
+# larger block would be an overflow page, which LMDB only points at: py-lmdb then takes its page fault
+# while it copies the value, holding the interpreter lock, so cold reads would fault one at a time, and
+# dropping a segment would read every one of its overflow pages.
+BLOCK_BYTES = 2016
 # Live rows of a compaction's copy per transaction (bounds the dirty pages and the blocks held).
 COPY_ROWS = 1 << 16
 
-# Blocks farther apart than this in the map are asked for in separate read-ahead ranges.
-_WILLNEED_GAP = 1 << 20
-_WILLNEED_CHUNK = 128 << 10  # the kernel's default read-ahead window
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 Commit = Callable[..., None]  # commit(fill(txn), need_bytes, num_rows, exclusive=False)
 _Staged = tuple["_Table", np.ndarray, np.ndarray, np.ndarray]  # table, (N,) ids, (N, R) rows, (N,) seqs
@@ -404,9 +400,6 @@ class LogTables:
         with self._index_lock:
             alive = t.index.lookup(ids) == seqs
         ids, seqs = ids[alive], seqs[alive]
-        if ids.shape[0]:
-            with self._rw.shared():
-                self._read_ahead(t.segs[seg])
         for a in range(0, ids.shape[0], COPY_ROWS):
             with self._rw.shared():
                 rows = self._read(t, seqs[a : a + COPY_ROWS])
@@ -426,36 +419,6 @@ class LogTables:
         with self._index_lock:
             del t.segs[seg], t.records[seg], t.live[seg]
         self.stats.compactions += 1
-
-    def _read_ahead(self, db: Any) -> None:
-        """Ask the kernel to read a segment's blocks ahead (``MADV_WILLNEED`` over their address ranges).
-
-        A compaction reads a whole segment, whose blocks lie mostly in file order, but LMDB maps the file
-        for random reads (no read-ahead): one 4 KiB fault at a time would make it a random reader of a
-        sequential region. The blocks' addresses come from the leaf pages (a block is an overflow page,
-        which taking its address does not touch); runs of them less than ``_WILLNEED_GAP`` apart are one
-        range each. The caller holds the shared lock (no map resize meanwhile).
-        """
-        if _LIBC is None:
-            return
-        with self._env.begin(db=db, buffers=True) as txn:
-            addrs = np.fromiter(
-                (np.frombuffer(v, dtype=np.uint8).ctypes.data for v in txn.cursor().iternext(keys=False)),
-                dtype=np.int64,
-            )
-        if not addrs.shape[0]:
-            return
-        addrs.sort()
-        page = mmap.PAGESIZE
-        cuts = np.flatnonzero(np.diff(addrs) > _WILLNEED_GAP) + 1
-        for lo, hi in zip(np.r_[0, cuts].tolist(), np.r_[cuts, addrs.shape[0]].tolist(), strict=True):
-            start = int(addrs[lo]) // page * page
-            end = int(addrs[hi - 1]) + BLOCK_BYTES
-            # The kernel reads at most its read-ahead window per call (force_page_cache_ra), so a range
-            # is asked for in pieces no larger than the smallest usual window.
-            for at in range(start, end, _WILLNEED_CHUNK):
-                size = min(_WILLNEED_CHUNK, end - at)
-                _LIBC.madvise(ctypes.c_void_p(at), ctypes.c_size_t(size), mmap.MADV_WILLNEED)
 
     def _runs_of(self, t: _Table, seg: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         """The run keys, ids and sequence numbers (ascending) of segment ``seg``."""
