@@ -3,8 +3,9 @@
 Two maps with one contract, both compiled or vectorised (no per-id Python):
 
 - :class:`DenseSeqIndex` for bounded id spaces up to ``DENSE_MAX_IDS`` ids: one int64 per possible id.
-- :class:`HashSeqIndex` for anything else: open addressing with linear probing over two int64 arrays
-  (ids, sequence numbers), at most ``MAX_LOAD`` full: 16 bytes a cell, 20-40 bytes per stored id. Ids are
+- :class:`HashSeqIndex` for anything else: open addressing with linear probing over two arrays (int64
+  ids; uint32 sequence numbers until one passes 2^32 - 1, int64 from then on), at most ``MAX_LOAD``
+  full: 12 bytes a cell, 15-30 bytes per stored id. Ids are
   never removed (a row, once stored, stays stored), so there are no tombstones; the table doubles when
   it would pass ``MAX_LOAD``.
 
@@ -23,9 +24,18 @@ DENSE_MAX_IDS = 1 << 22  # 32 MiB of int64 at most; the hash index costs 20-40 b
 MAX_LOAD = 0.8
 _EMPTY = -1
 _MUL = np.uint64(0x9E3779B97F4A7C15)
+_U32_MAX = (1 << 32) - 1
 
 
-@numba.njit("int64(int64[:], int64[:], int64, int64[:], int64[:], int64[:])", nogil=True, cache=True)
+# Sequence numbers are held as uint32 until one does not fit (then int64): 12 bytes a cell, not 16.
+@numba.njit(
+    [
+        "int64(int64[:], uint32[:], int64, int64[:], int64[:], int64[:])",
+        "int64(int64[:], int64[:], int64, int64[:], int64[:], int64[:])",
+    ],
+    nogil=True,
+    cache=True,
+)
 def _hash_upsert(keys, vals, shift, ids, seqs, old):  # type: ignore[no-untyped-def] # pragma: no cover
     mask = keys.shape[0] - 1
     added = 0
@@ -47,7 +57,14 @@ def _hash_upsert(keys, vals, shift, ids, seqs, old):  # type: ignore[no-untyped-
     return added
 
 
-@numba.njit("void(int64[:], int64[:], int64, int64[:], int64[:])", nogil=True, cache=True)
+@numba.njit(
+    [
+        "void(int64[:], uint32[:], int64, int64[:], int64[:])",
+        "void(int64[:], int64[:], int64, int64[:], int64[:])",
+    ],
+    nogil=True,
+    cache=True,
+)
 def _hash_lookup(keys, vals, shift, ids, out):  # type: ignore[no-untyped-def] # pragma: no cover
     mask = keys.shape[0] - 1
     for i in range(ids.shape[0]):
@@ -139,9 +156,9 @@ class HashSeqIndex(SeqIndex):
         self._alloc(1 << max(10, int(max(1, expected) / MAX_LOAD).bit_length()))
         self._len = 0
 
-    def _alloc(self, size: int) -> None:
+    def _alloc(self, size: int, dtype: type = np.uint32) -> None:
         self._keys = np.full(size, _EMPTY, dtype=np.int64)
-        self._vals = np.empty(size, dtype=np.int64)
+        self._vals: np.ndarray = np.empty(size, dtype=dtype)
         self._shift = 64 - (size.bit_length() - 1)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
@@ -154,12 +171,13 @@ class HashSeqIndex(SeqIndex):
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if ids.shape[0] and int(ids.min()) < 0:
             raise ValueError("HashSeqIndex ids must be >= 0")
+        seqs = np.ascontiguousarray(seqs, np.int64)
+        if self._vals.dtype == np.uint32 and seqs.shape[0] and int(seqs.max()) >= _U32_MAX:
+            self._vals = self._vals.astype(np.int64)  # numbers this large: a long life of compactions
         if self._len + ids.shape[0] > MAX_LOAD * self._keys.shape[0]:
             self._grow(self._len + ids.shape[0])
         old = np.empty(ids.shape[0], dtype=np.int64)
-        self._len += int(
-            _hash_upsert(self._keys, self._vals, self._shift, ids, np.ascontiguousarray(seqs, np.int64), old)
-        )
+        self._len += int(_hash_upsert(self._keys, self._vals, self._shift, ids, seqs, old))
         return old
 
     def _grow(self, need: int) -> None:
@@ -167,13 +185,14 @@ class HashSeqIndex(SeqIndex):
         size = self._keys.shape[0]
         while need > MAX_LOAD * size:
             size *= 2
+        dtype = self._vals.dtype.type
         del self._keys, self._vals  # the old table goes before the new one fills: peak = old + new
-        self._alloc(size)
+        self._alloc(size, dtype)
         _hash_upsert(self._keys, self._vals, self._shift, ids, seqs, np.empty(ids.shape[0], dtype=np.int64))
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         full = self._keys >= 0
-        return self._keys[full], self._vals[full]
+        return self._keys[full], self._vals[full].astype(np.int64)
 
     def nbytes(self) -> int:
         return int(self._keys.nbytes + self._vals.nbytes)
