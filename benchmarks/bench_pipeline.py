@@ -34,7 +34,8 @@ Experiments (each prints its runs, then a summary line):
    checkpoint, and a subclass of ``TieredTables`` fsyncs the restored ``data.mdb`` and drops it from the
    page cache right after its store opens (``posix_fadvise(POSIX_FADV_DONTNEED)``, checked with
    ``mincore``: ``page_cache_fraction_at_open``), so the first touches of stored rows are disk reads:
-   pipelined vs sequential, whole resumed fit.
+   pipelined vs sequential, whole resumed fit, and pipelined vs the same model in memory over as many
+   steps (``cold_tiered_vs_untiered``).
 4. delays: a tiny model with injected delays: SSD read and key routing by a subclass of
    ``TieredTables`` whose ``prefetch`` and ``route`` sleep first, compute by a forward hook on the
    model. From the pipeline's per-batch spans after a warm-up (means): the step (interval between the
@@ -56,7 +57,7 @@ feed that keeps its pipeline for the spans, a silent progress bar); the experime
 
 Prints the machine and versions first and, as its LAST line, one JSON object with
 fits_cache_tiered_vs_untiered (>= 0.9), pipelined_vs_sequential (>= 1.3), ssd_bound_tiered_vs_untiered,
-pipelined_vs_sequential_cold, step_vs_slowest_stage (<= 1.15), sequential_step_vs_sum (~1),
+pipelined_vs_sequential_cold, cold_tiered_vs_untiered, step_vs_slowest_stage (<= 1.15), sequential_step_vs_sum (~1),
 lookahead_hit_rate, lru_hit_rate, belady_hit_rate, lookahead_vs_belady (>= 0.95), the lookahead depth,
 the sizes used, and the CPU-time and overlap-bound companions of the throughput ratios.
 
