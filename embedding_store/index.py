@@ -6,7 +6,7 @@ Two implementations of one small contract, both free of per-id Python loops:
   compiled loops (numba) that produce the int64 positions, or mark them, in one pass.
 - :class:`HashIdMap` for unbounded 64-bit ids: open addressing with linear probing in numpy, every
   probe round handling all pending queries at once. Ids and positions sit side by side (one cache
-  miss per probe); the table holds at most a third of its size in live entries, so a hit takes ~1.2
+  miss per probe); the table holds at most half its size in live entries, so a hit takes ~1.5
   probes; deletions leave tombstones and the table is rebuilt when they pile up.
 
 Positions are int64 in ``[0, capacity)``; a lookup returns -1 for an absent id.
@@ -25,7 +25,7 @@ _EMPTY = -1
 _TOMB = -2
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 _DENSE_MAX_IDS = 1 << 26  # dense maps up to 256 MiB of int32
-_SLACK = 3  # table cells per live entry, rounded up to a power of two: load <= 1/3, ~1.2 probes per hit
+_SLACK = 2  # table cells per live entry, rounded up to a power of two: load <= 1/2, ~1.5 probes per hit
 
 
 # Signatures given: compiled (or loaded from numba's cache) on import, not in a stage's first call.
