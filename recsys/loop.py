@@ -156,14 +156,13 @@ class TrainLoop:
 
     # -- the steps ----------------------------------------------------------------------------------
 
-    def _after_step(self, loss: float) -> None:
-        """Stop on a non-finite value (raised by the check) or, after a checkpoint, on SIGTERM/SIGINT."""
+    def _stop(self, signum: int) -> None:
+        """After SIGTERM/SIGINT (agreed by every rank in the step's check): checkpoint, then stop. Called
+        once the step's metrics row is written, so a resume from this checkpoint misses no row."""
         t = self.trainer
-        signum = t.health.check(loss, step=t.step)
-        if signum:
-            if t.saved_step != t.step:
-                t.save()
-            raise RunStopped(signum, t.step)
+        if t.saved_step != t.step:
+            t.save()
+        raise RunStopped(signum, t.step)
 
     def _steps(
         self,
@@ -189,13 +188,15 @@ class TrainLoop:
             t.step += 1
             trained_samples += tcfg.batch_size
             loss_value = float(loss)
-            self._after_step(loss_value)
+            signum = t.health.check(loss_value, step=t.step)  # raises on a non-finite value
             window_loss += loss_value
             window_steps += 1
             bar.update(1)
             if t.step % tcfg.log_every == 0 or t.step == tcfg.steps:
                 self._log(window_loss, window_steps, time.perf_counter() - window_start, feed, bar)
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            if signum:
+                self._stop(signum)
             stop_early = False
             if cfg.eval.every and t.step % cfg.eval.every == 0 and t.step < tcfg.steps:
                 last = self.evaluation(pipeline, bar)

@@ -98,8 +98,8 @@ def test_a_lingering_row_is_committed_without_a_drain(tmp_path) -> None:
         WriterSettings(batch_rows=10_000, max_pending_rows=1 << 20, min_batch_rows=1000, linger_s=0.2),
     ) as writer:
         writer.submit("t", ids, rows)
-        for _ in range(100):  # up to 5 s
-            if backend.txn_rows:
+        for _ in range(100):  # up to 5 s; the transaction is recorded as it starts, counted once committed
+            if backend.txn_rows and writer.pending_rows == 0:
                 break
             threading.Event().wait(0.05)
         assert backend.txn_rows == [10] and writer.pending_rows == 0
