@@ -39,7 +39,7 @@ import numpy as np
 
 from embedding_store.config import LmdbOptions, TableSpec
 from embedding_store.errors import StoreCorruptError, StoreError, StoreFullError, StoreIncompatibleError
-from embedding_store.lmdb_log import LogTables
+from embedding_store.lmdb_log import LogTables, encode_keys
 from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
 
 __all__ = [
@@ -67,12 +67,6 @@ _CORRUPT = (
     lmdb.BadChecksumError,
     lmdb.PanicError,
 )
-
-
-def encode_keys(ids: np.ndarray) -> list[bytes]:
-    """(N,) int64 ids >= 0 -> N 8-byte big-endian keys (LMDB's byte order = ascending id order)."""
-    # Opaque 8-byte items become bytes objects in numpy's C loop: no Python loop over ids.
-    return np.ascontiguousarray(ids, dtype=">u8").view("V8").tolist()
 
 
 def _row_values(rows: np.ndarray, row_bytes: int) -> list[bytes]:

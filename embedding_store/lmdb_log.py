@@ -81,7 +81,9 @@ def runs_name(table: str) -> bytes:
     return f"__log__/{table}/runs".encode()
 
 
-def _keys(numbers: np.ndarray) -> list[bytes]:
+def encode_keys(numbers: np.ndarray) -> list[bytes]:
+    """(N,) int64 numbers >= 0 -> N 8-byte big-endian keys (LMDB's byte order = ascending order)."""
+    # Opaque 8-byte items become bytes objects in numpy's C loop: no Python loop over the numbers.
     return np.ascontiguousarray(numbers, dtype=">u8").view("V8").tolist()
 
 
@@ -96,6 +98,19 @@ class Geometry:
     def of(spec: TableSpec, segment_rows: int) -> Geometry:
         block = max(1, BLOCK_BYTES // spec.row_bytes)
         return Geometry(block=block, segment=block * max(1, segment_rows // block))
+
+    def plan(self, ordered: np.ndarray) -> tuple[np.ndarray, list[bytes], np.ndarray, list[int]]:
+        """For ascending sequence numbers: the index of each one's block among the distinct blocks, the
+        blocks' keys, each block's segment, and where a new segment starts in the keys (with 0 and the end).
+        """
+        blocks, inverse = np.unique(ordered // self.block, return_inverse=True)
+        seg_of = blocks * self.block // self.segment
+        return (
+            inverse,
+            encode_keys(blocks),
+            seg_of,
+            [0, *(np.flatnonzero(np.diff(seg_of)) + 1).tolist(), len(blocks)],
+        )
 
 
 def _rows_of_blocks(
@@ -162,11 +177,8 @@ def scan_log(
         part = seqs[a : a + chunk_rows]
         by_seq = np.argsort(part)
         ordered = part[by_seq]
-        blocks, inverse = np.unique(ordered // geo.block, return_inverse=True)
-        keys = _keys(blocks)
+        inverse, keys, seg_of, bounds = geo.plan(ordered)
         values: list[bytes] = []
-        seg_of = blocks * geo.block // geo.segment
-        bounds = [0, *(np.flatnonzero(np.diff(seg_of)) + 1).tolist(), len(keys)]
         with env.begin() as txn:
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 db = segs.get(int(seg_of[lo]))
@@ -268,12 +280,8 @@ class LogTables:
 
     def _read(self, t: _Table, ordered: np.ndarray) -> np.ndarray:
         """Rows of ascending sequence numbers (the caller holds the shared lock)."""
-        blocks, inverse = np.unique(ordered // t.geo.block, return_inverse=True)
-        keys = _keys(blocks)
-        seg_of = blocks * t.geo.block // t.geo.segment
-        cuts = set((np.flatnonzero(np.diff(seg_of)) + 1).tolist()) | {0, len(keys)}
-        cuts |= {run.start for run in self._readers.runs(len(keys))}
-        bounds = sorted(cuts)
+        inverse, keys, seg_of, seg_bounds = t.geo.plan(ordered)
+        bounds = sorted(set(seg_bounds) | {run.start for run in self._readers.runs(len(keys))})
         pieces = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
         got = self._readers.map(functools.partial(self._read_blocks, t, keys, seg_of), pieces)
         self._count_read(len(keys))
@@ -332,7 +340,7 @@ class LogTables:
         def fill(txn: Any) -> None:
             opened.clear()  # a transaction run again after a map resize opens its new segments again
             for t, ids, rows, seqs in staged:
-                seq_keys = _keys(seqs)
+                seq_keys = encode_keys(seqs)
                 for a, b in _split(seqs, t.geo.segment):
                     seg = int(seqs[a]) // t.geo.segment
                     db = t.segs.get(seg) or opened.get((t.spec.name, seg))
@@ -426,7 +434,7 @@ class LogTables:
         run_keys, id_parts, seq_parts = [], [], []
         with self._rw.shared(), self._env.begin(db=t.runs_db) as txn:
             cursor = txn.cursor()
-            if cursor.set_range(_keys(np.array([lo]))[0]):
+            if cursor.set_range(encode_keys(np.array([lo]))[0]):
                 for key, value in cursor:
                     first = int.from_bytes(key, "big")
                     if first >= hi:
@@ -461,4 +469,4 @@ def _blocks(rows: np.ndarray, first_seq: int, block: int) -> list[tuple[bytes, b
     values = flat[: full * block * rows.shape[1]].view(f"V{block * row_bytes}").tolist() if full else []
     if full * block < n:
         values.append(rows[full * block :].tobytes())
-    return list(zip(_keys(first_seq // block + np.arange(len(values))), values, strict=True))
+    return list(zip(encode_keys(first_seq // block + np.arange(len(values))), values, strict=True))

@@ -15,6 +15,8 @@ writer thread look ids up while the training thread runs.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numba
 import numpy as np
 
@@ -27,6 +29,16 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)
 _U32_MAX = (1 << 32) - 1
 
 
+@numba.njit("int64(int64[:], int64, int64)", nogil=True, cache=True)
+def _cell(keys, shift, key):  # type: ignore[no-untyped-def] # pragma: no cover
+    """The cell holding ``key``, or the empty cell where it would go (linear probing)."""
+    mask = keys.shape[0] - 1
+    h = np.int64((np.uint64(key) * _MUL) >> np.uint64(shift))
+    while keys[h] != key and keys[h] != _EMPTY:
+        h = (h + 1) & mask
+    return h
+
+
 # Sequence numbers are held as uint32 until one does not fit (then int64): 12 bytes a cell, not 16.
 @numba.njit(
     [
@@ -37,23 +49,16 @@ _U32_MAX = (1 << 32) - 1
     cache=True,
 )
 def _hash_upsert(keys, vals, shift, ids, seqs, old):  # type: ignore[no-untyped-def] # pragma: no cover
-    mask = keys.shape[0] - 1
     added = 0
     for i in range(ids.shape[0]):
-        key = ids[i]
-        h = np.int64((np.uint64(key) * _MUL) >> np.uint64(shift))
-        while True:
-            if keys[h] == key:
-                old[i] = vals[h]
-                vals[h] = seqs[i]
-                break
-            if keys[h] == _EMPTY:
-                keys[h] = key
-                vals[h] = seqs[i]
-                old[i] = _EMPTY
-                added += 1
-                break
-            h = (h + 1) & mask
+        h = _cell(keys, shift, ids[i])
+        if keys[h] == ids[i]:
+            old[i] = vals[h]
+        else:
+            keys[h] = ids[i]
+            old[i] = _EMPTY
+            added += 1
+        vals[h] = seqs[i]
     return added
 
 
@@ -66,18 +71,9 @@ def _hash_upsert(keys, vals, shift, ids, seqs, old):  # type: ignore[no-untyped-
     cache=True,
 )
 def _hash_lookup(keys, vals, shift, ids, out):  # type: ignore[no-untyped-def] # pragma: no cover
-    mask = keys.shape[0] - 1
     for i in range(ids.shape[0]):
-        key = ids[i]
-        h = np.int64((np.uint64(key) * _MUL) >> np.uint64(shift))
-        while True:
-            if keys[h] == key:
-                out[i] = vals[h]
-                break
-            if keys[h] == _EMPTY:
-                out[i] = _EMPTY
-                break
-            h = (h + 1) & mask
+        h = _cell(keys, shift, ids[i])
+        out[i] = vals[h] if keys[h] == ids[i] else _EMPTY
 
 
 @numba.njit("void(int64[:], int64[:], int64, int64[:], int64[:])", nogil=True, cache=True)
@@ -95,30 +91,25 @@ def _dense_lookup(vals, ids, n, out):  # type: ignore[no-untyped-def] # pragma: 
         out[i] = vals[ids[i]] if 0 <= ids[i] < n else _EMPTY
 
 
-class SeqIndex:
+class SeqIndex(Protocol):
     """id -> sequence number of its live record (ids int64 >= 0, sequence numbers int64 >= 0)."""
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """(N,) ids -> (N,) sequence numbers, -1 where the id is not stored."""
-        raise NotImplementedError
 
     def upsert(self, ids: np.ndarray, seqs: np.ndarray) -> np.ndarray:
         """Point (N,) unique ids at (N,) sequence numbers; returns the (N,) previous ones (-1: new id)."""
-        raise NotImplementedError
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Every stored id and its sequence number, in no order."""
-        raise NotImplementedError
 
     def nbytes(self) -> int:
         """Memory held by the index."""
-        raise NotImplementedError
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    def __len__(self) -> int: ...
 
 
-class DenseSeqIndex(SeqIndex):
+class DenseSeqIndex:
     """Bounded ids ``[0, num_ids)``: one int64 per possible id."""
 
     def __init__(self, num_ids: int) -> None:
@@ -149,7 +140,7 @@ class DenseSeqIndex(SeqIndex):
         return self._len
 
 
-class HashSeqIndex(SeqIndex):
+class HashSeqIndex:
     """Any int64 ids >= 0, in an open-addressing table that doubles as it fills."""
 
     def __init__(self, expected: int = 0) -> None:
