@@ -6,6 +6,8 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,15 +20,24 @@ from recsys.distributed import free_port, set_local_rank_env
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg: Any, queue: Any) -> None:
     set_local_rank_env(rank, world_size, port)
+    code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, "ok", fn(rank, world_size, arg)))
-    except BaseException:  # report every failure to the parent, then re-raise
+    except BaseException:  # report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
-        raise
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Leave as recsys.launch's workers do, without the interpreter's teardown: in it gloo's threads, still
+    # holding work objects, now and then abort a finished rank ("terminate called without an active
+    # exception", SIGABRT) after its result was sent. The queue's feeder thread is drained first.
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_ranks(
