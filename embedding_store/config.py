@@ -157,6 +157,10 @@ class LmdbOptions:
             at 1.3e4 rows/s with 1 thread and 5.0e4 with 16 (0.95 of the disk's 4 KiB random reads at
             depth 32); where the pages are cached the split costs (warm reads at 0.82 of one thread's
             speed). 1: every read in the calling thread, in one transaction.
+        read_split: when a read is split over ``read_threads``: ``"auto"`` (the default) only while reads
+            take major page faults, i.e. wait for the disk (a read of cached pages runs in the calling
+            thread, and hands its remaining runs to the pool once one of them faulted;
+            ``embedding_store.lmdb_threads``); ``"always"``: every read of 128 keys or more.
         layout: how a new store places its rows (an existing store keeps the layout it was created with):
             ``"log"`` appends every write-back as records numbered by write time, with an id index in RAM
             (~20-40 bytes per stored id of an unbounded table, 8 per possible id of a bounded one up to
@@ -181,6 +185,7 @@ class LmdbOptions:
     writer_nice: int = 10
     unmap_every_rows: int | None = None
     read_threads: int = 16
+    read_split: str = "auto"
     layout: str = "log"
     log_segment_rows: int = 1 << 20
     log_compact_at: float = 0.7
@@ -230,6 +235,8 @@ class LmdbOptions:
             or not 1 <= self.read_threads <= 256
         ):
             raise ValueError(f"LmdbOptions.read_threads must be an int in 1..256, got {self.read_threads!r}")
+        if self.read_split not in ("auto", "always"):
+            raise ValueError(f"LmdbOptions.read_split must be 'auto' or 'always', got {self.read_split!r}")
         if self.layout not in ("log", "btree"):
             raise ValueError(f"LmdbOptions.layout must be 'log' or 'btree', got {self.layout!r}")
         if (

@@ -161,7 +161,7 @@ class LmdbBackend:
         self._options = options
         self._path = path
         self._rw = SharedExclusiveLock()
-        self._readers = ReaderPool(options.read_threads)
+        self._readers = ReaderPool(options.read_threads, split=options.read_split)
         self._data_file = os.path.realpath(path / "data.mdb")
         self._rows_since_unmap = 0
         self._row_bytes = {t.name: t.row_bytes for t in tables}

@@ -6,24 +6,47 @@ A read of rows that are not in the page cache costs one page fault per row, and 
 opens every environment with ``MDB_NOTLS``, so a read transaction belongs to no thread; each run begins
 its own) and py-lmdb releases the GIL while LMDB walks the tree, so runs on several threads keep that many
 faults in flight and the disk serves them in parallel (docs/tiers.md, "Parallel cold reads").
+
+Where the pages are cached the split only costs: hand-offs between threads and a transaction per run.
+So by default a read is split only while reads take major page faults (pages read from the disk, counted
+per thread with ``getrusage(RUSAGE_THREAD)``): a read of cached pages runs its runs one after another in
+the calling thread, and hands the rest to the pool as soon as one of them faulted.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import resource
 import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from embedding_store.errors import StoreClosedError
 
-__all__ = ["MIN_RUN_KEYS", "ReaderPool", "SharedExclusiveLock"]
+__all__ = ["MIN_RUN_KEYS", "SPLITS", "ReaderPool", "SharedExclusiveLock", "thread_major_faults"]
 
 T = TypeVar("T")
 
 # Fewest keys one run reads: a read of fewer than twice this many stays in the calling thread.
 MIN_RUN_KEYS = 64
+# When a read is split: "auto" while reads fault pages in from the disk, "always" whenever it is large enough.
+SPLITS = ("auto", "always")
+
+
+def thread_major_faults() -> int:
+    """Major page faults (pages read from the disk) the calling thread has taken so far."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
+
+
+# Where threads' faults cannot be counted (not Linux), "auto" splits as "always" does.
+_COUNTS_THREAD_FAULTS = hasattr(resource, "RUSAGE_THREAD")
+
+
+def _faulting(faults: int, keys: int) -> bool:
+    """Whether reading ``keys`` keys with ``faults`` major faults was bound by the disk: at least 2 faults and
+    1 per 32 keys (a fault waits ~80 us for the disk, a cached key costs ~0.1 us)."""
+    return faults >= 2 and faults * 32 >= keys
 
 
 class SharedExclusiveLock:
@@ -65,19 +88,38 @@ class ReaderPool:
     The calling thread reads the first run itself, ``threads - 1`` pool threads the others; the pool
     starts on the first read that splits and stops in :meth:`close`. Several callers share the pool.
 
+    With ``split="auto"`` the pool runs in one of two modes, chosen by the last read: *cached* reads every
+    run in the calling thread and moves to *faulting* (the rest of that read on the pool) once the runs
+    read so far took major faults (``_faulting``); *faulting* splits every read and returns to *cached*
+    after a read whose runs together took few. ``split="always"`` splits every read that has several runs.
+
     Args:
         threads: most runs of one read in flight; 1 reads everything in the calling thread.
         min_run: fewest keys of one run.
+        split: ``"auto"`` or ``"always"`` (``SPLITS``).
+        major_faults: the calling thread's major fault count so far (``thread_major_faults``).
     """
 
-    def __init__(self, threads: int, *, min_run: int = MIN_RUN_KEYS) -> None:
+    def __init__(
+        self,
+        threads: int,
+        *,
+        min_run: int = MIN_RUN_KEYS,
+        split: str = "auto",
+        major_faults: Callable[[], int] = thread_major_faults,
+    ) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"ReaderPool threads must be an int >= 1, got {threads!r}")
+        if split not in SPLITS:
+            raise ValueError(f"ReaderPool split must be one of {SPLITS}, got {split!r}")
         self._threads = threads
         self._min_run = max(1, min_run)
+        self._auto = split == "auto" and _COUNTS_THREAD_FAULTS
+        self._major_faults = major_faults
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        self.faulting = not self._auto  # the mode of the next read (benign races: any mode reads right)
 
     def runs(self, n: int) -> list[slice]:
         """Contiguous slices covering ``range(n)`` in order, at most ``threads``, each >= ``min_run`` keys."""
@@ -88,14 +130,43 @@ class ReaderPool:
         return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
     def map(self, read: Callable[[slice], T], runs: list[slice]) -> list[T]:
-        """``[read(run) for run in runs]``, the runs at the same time. Returns once every run ended; an
-        error of one run is raised after the others ended (none outlives the call)."""
+        """``[read(run) for run in runs]``, the runs at the same time where that pays. Returns once every
+        run ended; an error of one run is raised after the others ended (none outlives the call)."""
         if len(runs) == 1 or self._threads == 1:
             return [read(run) for run in runs]
+        if self.faulting:
+            got = self._split(read, runs)
+            if self._auto and not _faulting(sum(f for _, f in got), sum(r.stop - r.start for r in runs)):
+                self.faulting = False
+            return [value for value, _ in got]
+        out: list[T] = []
+        faults = keys = 0
+        for i, run in enumerate(runs):
+            before = self._major_faults()
+            out.append(read(run))
+            faults += self._major_faults() - before
+            keys += run.stop - run.start
+            if _faulting(faults, keys):
+                self.faulting = True
+                if rest := runs[i + 1 :]:
+                    out.extend(value for value, _ in self._split(read, rest))
+                return out
+        return out
+
+    def _split(self, read: Callable[[slice], T], runs: list[slice]) -> list[tuple[T, int]]:
+        """Each run's value and major faults, the first run read in the calling thread."""
+
+        def counted(run: slice) -> tuple[T, int]:
+            before = self._major_faults()
+            value = read(run)
+            return value, self._major_faults() - before
+
+        if len(runs) == 1:
+            return [counted(runs[0])]
         pool = self._executor()
-        futures = [pool.submit(read, run) for run in runs[1:]]
+        futures = [pool.submit(counted, run) for run in runs[1:]]
         try:
-            first = read(runs[0])
+            first = counted(runs[0])
         finally:
             concurrent.futures.wait(futures)
         return [first, *(f.result() for f in futures)]

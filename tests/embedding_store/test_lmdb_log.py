@@ -95,7 +95,7 @@ def _random_writes(rng: np.random.Generator, oracle: _Oracle, backend: LmdbBacke
 def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path, threads: int) -> None:
     rng = np.random.default_rng(0)
     oracle = _Oracle()
-    backend = _open(tmp_path / "env", read_threads=threads)
+    backend = _open(tmp_path / "env", read_threads=threads, read_split="always")
     _random_writes(rng, oracle, backend, 120)
     oracle.check_all(backend)
     log = backend._log
@@ -135,7 +135,7 @@ def test_a_store_keeps_its_layout(tmp_path: Path) -> None:
 
 def test_reads_racing_writes_and_compactions_always_find_committed_rows(tmp_path: Path) -> None:
     """Every read sees each id that was committed before it began, with a version at least that new."""
-    backend = _open(tmp_path / "env", log_segment_rows=64, read_threads=4)
+    backend = _open(tmp_path / "env", log_segment_rows=64, read_threads=4, read_split="always")
     ids = np.arange(0, 2000, 7, dtype=np.int64)
     committed = np.full(ids.shape[0], -1)  # version of each id known committed
     stop, errors = threading.Event(), []

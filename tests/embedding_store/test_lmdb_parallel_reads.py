@@ -21,6 +21,9 @@ SIZES = (0, 1, 2, 63, 127, 128, 129, 500, 1000, 4097)
 
 
 def _open(path, threads: int, **options) -> LmdbBackend:
+    """A backend whose reads of 128 keys or more are split whether or not they fault (this file's pages
+    are cached: under the default "auto" they would all stay in the calling thread)."""
+    options.setdefault("read_split", "always")
     return LmdbBackend(
         path, options=LmdbOptions(read_threads=threads, **options), seed=0, tables=[UNBOUNDED, BOUNDED]
     )
@@ -162,3 +165,63 @@ def test_runs_cover_the_keys_in_order(threads, n) -> None:
 def test_read_threads_is_checked(bad) -> None:
     with pytest.raises(ValueError, match="read_threads"):
         LmdbOptions(read_threads=bad)
+
+
+class _FakeFaults:
+    """Major faults that ``read`` reports per run, counted per thread as ``getrusage(RUSAGE_THREAD)`` is."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.faults_per_key = 0.0
+        self.threads: list[tuple[slice, int]] = []
+
+    def count(self) -> int:
+        return getattr(self.local, "n", 0)
+
+    def read(self, run: slice) -> list[int]:
+        self.local.n = self.count() + int(self.faults_per_key * (run.stop - run.start))
+        self.threads.append((run, threading.get_ident()))
+        return list(range(run.start, run.stop))
+
+
+def test_auto_split_reads_in_the_caller_until_reads_fault_then_splits_until_they_stop() -> None:
+    fake = _FakeFaults()
+    pool = ReaderPool(8, min_run=64, major_faults=fake.count)
+    runs = pool.runs(1000)
+    assert len(runs) == 8
+    me = threading.get_ident()
+
+    def read_all() -> list[int]:
+        fake.threads.clear()
+        got = pool.map(fake.read, runs)
+        assert [x for run in got for x in run] == list(range(1000))  # the runs' values, in order
+        return [ident for _, ident in sorted(fake.threads, key=lambda p: p[0].start)]
+
+    assert set(read_all()) == {me} and not pool.faulting  # cached: every run in the calling thread
+    fake.faults_per_key = 0.25  # the disk serves the reads now
+    idents = read_all()
+    # The first run faulted: the caller reads the next one while the pool reads the other six.
+    assert idents[:2] == [me, me] and me not in idents[2:]
+    assert pool.faulting
+    idents = read_all()
+    assert idents[0] == me and me not in idents[1:]  # split from the start
+    fake.faults_per_key = 1 / 64  # fewer than 1 fault per 32 keys: cached again after this split read
+    read_all()
+    assert not pool.faulting
+    assert set(read_all()) == {me}
+    pool.close()
+
+
+def test_always_split_splits_cached_reads() -> None:
+    fake = _FakeFaults()
+    pool = ReaderPool(4, min_run=64, split="always", major_faults=fake.count)
+    got = pool.map(fake.read, pool.runs(512))
+    assert [x for run in got for x in run] == list(range(512))
+    assert len({ident for _, ident in fake.threads}) >= 2
+    pool.close()
+
+
+@pytest.mark.parametrize("bad", ["sometimes", "", None, 1])
+def test_read_split_is_checked(bad) -> None:
+    with pytest.raises(ValueError, match="read_split"):
+        LmdbOptions(read_split=bad)
