@@ -134,8 +134,22 @@ def test_victims_are_the_smallest_keys_by_position(kind) -> None:
         np.testing.assert_array_equal(policy.victims(n, candidates, future), want, err_msg=f"trial {trial}")
 
 
-def test_large_candidate_sets_use_the_partition_path() -> None:
-    policy = make_policy(PolicyKind.LRU, 10_000)
-    policy.insert(np.arange(10_000))
-    policy.touch(np.arange(100, 10_000))
-    assert sorted(policy.victims(100, np.arange(10_000)).tolist()) == list(range(100))
+@pytest.mark.parametrize("kind", ALL)
+def test_large_candidate_sets_give_the_smallest_keys_ties_by_order(kind) -> None:
+    """Over 4,096 candidates: the n smallest keys, ties broken by their order among the candidates (many
+    ties: few touches over a large tier)."""
+    rng = np.random.default_rng(2)
+    for trial in range(40):
+        capacity = int(rng.integers(4097, 20_000))
+        policy = make_policy(kind, capacity)
+        policy.insert(np.arange(capacity))
+        for _ in range(int(rng.integers(0, 4))):
+            policy.touch(rng.integers(0, capacity, size=int(rng.integers(1, capacity))))
+        candidates = np.sort(rng.choice(capacity, size=int(rng.integers(4097, capacity + 1)), replace=False))
+        future = rng.integers(-1, 3, size=candidates.shape[0])
+        n = int(rng.integers(1, candidates.shape[0]))
+        key = policy._sort_key(candidates, future)
+        order = np.arange(candidates.shape[0])
+        want = np.sort(candidates[np.lexsort((order, key))[:n]])
+        got = policy.victims(n, candidates, future)
+        np.testing.assert_array_equal(np.sort(got), want, err_msg=f"trial {trial}")
