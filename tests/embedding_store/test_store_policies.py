@@ -115,21 +115,28 @@ def test_future_mask_marks_the_nearest_announced_use(num_embeddings) -> None:
     assert tier.future_mask(positions, list) is None  # nothing announced
 
 
+def _random_choice(kind, rng, capacities: tuple[int, int], least_candidates: int):
+    """A policy after a few random touches, sorted distinct candidates (at least ``least_candidates``),
+    their future marks, a number of victims below their count (or all of them), and their sort keys."""
+    capacity = int(rng.integers(*capacities))
+    policy = make_policy(kind, capacity)
+    policy.insert(np.arange(capacity))
+    for _ in range(int(rng.integers(0, 6))):
+        policy.touch(rng.integers(0, capacity, size=int(rng.integers(1, capacity + 1))))
+    size = int(rng.integers(min(least_candidates, capacity), capacity + 1))
+    candidates = np.sort(rng.choice(capacity, size=size, replace=False))
+    future = rng.integers(-1, 4, size=candidates.shape[0])
+    n = int(rng.integers(1, candidates.shape[0] + 1))
+    return policy, candidates, future, n, policy._sort_key(candidates, future)
+
+
 @pytest.mark.parametrize("kind", ALL)
 def test_victims_are_the_smallest_keys_by_position(kind) -> None:
     """Up to 4,096 candidates: the n smallest (key, position) pairs in that order, as one lexsort of all
     of them gives (the selection sorts only the smallest keys and their ties); all of them as given."""
     rng = np.random.default_rng(1)
     for trial in range(200):
-        capacity = int(rng.integers(2, 4097))
-        policy = make_policy(kind, capacity)
-        policy.insert(np.arange(capacity))
-        for _ in range(int(rng.integers(0, 6))):
-            policy.touch(rng.integers(0, capacity, size=int(rng.integers(1, capacity + 1))))
-        candidates = np.sort(rng.choice(capacity, size=int(rng.integers(1, capacity + 1)), replace=False))
-        future = rng.integers(-1, 4, size=candidates.shape[0])
-        n = int(rng.integers(1, candidates.shape[0] + 1))
-        key = policy._sort_key(candidates, future)
+        policy, candidates, future, n, key = _random_choice(kind, rng, (2, 4097), 1)
         want = candidates if n == candidates.shape[0] else candidates[np.lexsort((candidates, key))[:n]]
         np.testing.assert_array_equal(policy.victims(n, candidates, future), want, err_msg=f"trial {trial}")
 
@@ -140,16 +147,7 @@ def test_large_candidate_sets_give_the_smallest_keys_ties_by_order(kind) -> None
     ties: few touches over a large tier)."""
     rng = np.random.default_rng(2)
     for trial in range(40):
-        capacity = int(rng.integers(4097, 20_000))
-        policy = make_policy(kind, capacity)
-        policy.insert(np.arange(capacity))
-        for _ in range(int(rng.integers(0, 4))):
-            policy.touch(rng.integers(0, capacity, size=int(rng.integers(1, capacity))))
-        candidates = np.sort(rng.choice(capacity, size=int(rng.integers(4097, capacity + 1)), replace=False))
-        future = rng.integers(-1, 3, size=candidates.shape[0])
-        n = int(rng.integers(1, candidates.shape[0]))
-        key = policy._sort_key(candidates, future)
-        order = np.arange(candidates.shape[0])
-        want = np.sort(candidates[np.lexsort((order, key))[:n]])
+        policy, candidates, future, n, key = _random_choice(kind, rng, (4097, 20_000), 4097)
+        want = np.sort(candidates[np.lexsort((np.arange(candidates.shape[0]), key))[:n]])
         got = policy.victims(n, candidates, future)
         np.testing.assert_array_equal(np.sort(got), want, err_msg=f"trial {trial}")
