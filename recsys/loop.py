@@ -184,11 +184,11 @@ class TrainLoop:
             loss, _, _ = pipeline.progress(batches)
             if t.tiered is not None:
                 t.tiered.release(t.step)  # its backward and optimizer step are done
-            train_time += time.perf_counter() - t0
             t.step += 1
             trained_samples += tcfg.batch_size
             loss_value = float(loss)
             signum = t.health.check(loss_value, step=t.step)  # raises on a non-finite value
+            train_time += time.perf_counter() - t0  # the checks are part of every step
             window_loss += loss_value
             window_steps += 1
             bar.update(1)

@@ -62,6 +62,8 @@ def _found(rank: int, world_size: int, tiered: bool) -> dict[str, str]:
         shard.weight[7, 3] = math.inf
         found["row, not scanned"] = trainer.health.nonfinite(0.5, rows=False)
         found["row"] = trainer.health.nonfinite(0.5, rows=True)
+        # 3 rows of each shard per scan, in turn: rows 0-2, then 3-5 pass; 6-8 holds row 7
+        found["row, in turn"] = [trainer.health.nonfinite(0.5, rows=True, budget=3) for _ in range(3)]
         shard.weight[7, 3] = 0.0
         name, param = trainer.health.dense_params()[2]
         param.grad = torch.zeros_like(param)
@@ -78,6 +80,7 @@ def test_the_first_non_finite_quantity_is_named(tiered):
     assert found["loss"] == "the loss (nan)"
     assert found["row, not scanned"] == ""
     assert found["row"] == f"{'slot' if tiered else 'row'} 7 of embedding table t_cat_1"
+    assert found["row, in turn"] == ["", "", found["row"]]
     assert found["gradient"] == f"the gradient of dense parameter {found['gradient name']}"
 
 
@@ -102,3 +105,21 @@ def test_all_ranks_stop_together_when_one_rank_sees_a_non_finite_loss():
     messages = run_ranks(world_size=2, fn=_agreed)
     assert messages[0] == messages[1]
     assert messages[0].startswith("training diverged at step 12: the loss (inf) on rank 1 is not finite")
+
+
+def test_the_row_scan_finds_the_first_non_finite_row_as_a_full_mask_does():
+    """Row sums flag the suspects; rows whose finite values overflow their sum are not reported."""
+    from recsys.health import _first_nonfinite_row
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        weight = torch.randn(int(torch.randint(1, 400, (1,), generator=gen)), 5, generator=gen)
+        for _ in range(int(torch.randint(0, 4, (1,), generator=gen))):  # finite rows whose sum overflows
+            r = int(torch.randint(0, weight.shape[0], (1,), generator=gen))
+            weight[r, :2] = 3e38
+        for _ in range(int(torch.randint(0, 3, (1,), generator=gen))):
+            r, c = (int(torch.randint(0, n, (1,), generator=gen)) for n in weight.shape)
+            weight[r, c] = [math.nan, math.inf, -math.inf][trial % 3]
+        mask = (~torch.isfinite(weight)).any(dim=1).nonzero()
+        want = int(mask[0, 0]) if mask.numel() else None
+        assert _first_nonfinite_row(weight) == want, trial
