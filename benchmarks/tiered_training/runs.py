@@ -180,7 +180,8 @@ def train_once(
     hits, misses = sum(d["hits"] for d in device), sum(d["misses"] for d in device)
     steady = windows.steady_rate(warmup_steps)
     pipe = trainer.pipeline_stats or {}
-    per_step = 1e3 * cfg.train.batch_size / max(1, summary["samples"])  # ms per step, from seconds
+    # ms per step of this fit, from seconds (a resumed fit's "samples" count the steps before it too)
+    per_step = 1e3 * cfg.train.batch_size / max(1, summary["samples_this_process"])
     return {
         "samples_per_s": steady,
         "step_s": cfg.train.batch_size / steady,
