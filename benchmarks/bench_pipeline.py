@@ -18,7 +18,10 @@ machine) is printed at the start and the end: pipelining can only gain where it 
 Experiments (each prints its runs, then a summary line):
 
 1. fits_cache: 8 tables of 10k ids, device tier of 10,240 slots per table (the working set fits):
-   tiered pipelined vs the same model untiered (every table in memory).
+   tiered pipelined vs the same model untiered (every table in memory);
+   ``fits_cache_cpu_untiered_vs_tiered_sequential`` compares CPU per step with the tiers run
+   sequentially (every stage on the training thread): the tiers' own CPU, without what two threads
+   running at once cost each other on this machine (see ``two_thread_speedup``).
 2. ssd_bound: 4 large Zipf(1.05) tables of 2M ids; the host tier holds 1/20 of the rows the run touches
    (counted from the data) and the device tier ~6 batches, so LMDB is read and written every step:
    pipelined vs ``pipeline.mode=sequential`` (both tiered), and pipelined vs untiered (in memory, same

@@ -61,6 +61,14 @@ def fits_cache(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
     variants = {
         "untiered": [*base, "store.tiered=false"],
         "tiered": [*base, "store.tiered=true", "store.device_rows=10240", "store.host_rows=10240"],
+        # the same tiers with every stage on the training thread: their CPU without two threads' contention
+        "sequential": [
+            *base,
+            "store.tiered=true",
+            "store.device_rows=10240",
+            "store.host_rows=10240",
+            "pipeline.mode=sequential",
+        ],
     }
     runs = alternate_runs(
         env, "fits_cache", variants, repeats=args.repeats, warmup_steps=steps // 3, root=args.dir
@@ -74,6 +82,8 @@ def fits_cache(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
         # CPU seconds per step, untiered over tiered: the tiers' cost without the scheduler's share in it
         "fits_cache_cpu_untiered_vs_tiered": median(runs["untiered"], "cpu_ms_per_step")
         / median(runs["tiered"], "cpu_ms_per_step"),
+        "fits_cache_cpu_untiered_vs_tiered_sequential": median(runs["untiered"], "cpu_ms_per_step")
+        / median(runs["sequential"], "cpu_ms_per_step"),
         "fits_cache_device_hit_rate": median(runs["tiered"], "device_hit_rate"),
     }
     emit({"experiment": "fits_cache", **out})
