@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from embedding_store import StoreCapacityError, StoreFullError
+from embedding_store.memory import release_free_heap
 from pipelines import StagedPipeline, StageFailed
 from recsys.data.batch import Batch
 from recsys.errors import UserError
@@ -188,6 +189,8 @@ class TrainLoop:
             trained_samples += tcfg.batch_size
             loss_value = float(loss)
             signum = t.health.check(loss_value, step=t.step)  # raises on a non-finite value
+            if t.step % tcfg.log_every == 0:
+                release_free_heap()  # the steps' freed arrays, kept in malloc's heap (embedding_store.memory)
             train_time += time.perf_counter() - t0  # the checks are part of every step
             window_loss += loss_value
             window_steps += 1

@@ -44,7 +44,6 @@ from embedding_store import (
     num_embeddings_for,
     snapshot_chunks,
 )
-from embedding_store.memory import bound_heap_retention
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
 from recsys.capacities import Capacities
 from recsys.config import RunConfig
@@ -155,7 +154,6 @@ class TieredTables:
         self, dmp: DistributedModelParallel, tables: list[EmbeddingBagConfig], *, plan: TierPlan
     ) -> None:
         tiered = plan.id_spaces
-        bound_heap_retention()  # the stages' transient arrays of a few MiB go back to the system when freed
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.row_wise = plan.row_wise

@@ -1,6 +1,5 @@
-"""``bound_heap_retention``: once it is set, large blocks come from mappings of their own, so freeing them
-gives the memory back instead of leaving it in the heap (glibc's default raises the threshold to the
-size of every large block freed)."""
+"""``release_free_heap``: memory freed into glibc malloc's heap (blocks below its raised mmap threshold)
+goes back to the system."""
 
 from __future__ import annotations
 
@@ -9,10 +8,10 @@ import platform
 import numpy as np
 import pytest
 
-from embedding_store.memory import bound_heap_retention
+from embedding_store.memory import release_free_heap
 
 pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt"
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim"
 )
 
 
@@ -29,11 +28,13 @@ def _heap_rss() -> int:
     return total
 
 
-def test_blocks_above_the_threshold_do_not_grow_the_heap() -> None:
-    np.ones(1 << 20).sum()  # a freed 8 MiB block: glibc's default would now serve 2 MiB from the heap
-    assert bound_heap_retention(1 << 20)
-    before = _heap_rss()
+def test_freed_heap_blocks_go_back_to_the_system() -> None:
+    np.ones(1 << 20).sum()  # a freed 8 MiB block: glibc now serves blocks of 2 MiB from the heap
     arrays = [np.ones(1 << 18) for _ in range(64)]  # 64 blocks of 2 MiB, every page touched
-    grown = _heap_rss() - before
-    assert sum(a.nbytes for a in arrays) == 128 << 20
-    assert grown < 16 << 20, f"the heap grew by {grown >> 20} MiB"
+    keep = np.ones(1 << 17)  # 1 MiB allocated after them: the top of the heap stays in use
+    before = _heap_rss()
+    del arrays
+    assert release_free_heap()
+    released = before - _heap_rss()
+    assert keep.sum() == 1 << 17
+    assert released > 96 << 20, f"the heap gave back {released >> 20} MiB of 128"
