@@ -26,6 +26,10 @@ from recsys.lifetime import RunStopped
 from recsys.selection import Evaluation
 from recsys.writing import writing
 
+# Least seconds between two returns of malloc's free heap memory to the system (a logging step's; each
+# takes a few ms to ~20 ms with a large heap).
+TRIM_EVERY_S = 10.0
+
 if TYPE_CHECKING:
     from recsys.trainer import Trainer
 
@@ -178,6 +182,7 @@ class TrainLoop:
         train_time = 0.0
         trained_samples = 0
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        last_trim = time.monotonic()
         result: dict[str, Any] = {"stopped_early": False}
         last: Evaluation | None = None
         while t.step < tcfg.steps:
@@ -189,8 +194,9 @@ class TrainLoop:
             trained_samples += tcfg.batch_size
             loss_value = float(loss)
             signum = t.health.check(loss_value, step=t.step)  # raises on a non-finite value
-            if t.step % tcfg.log_every == 0:
+            if t.step % tcfg.log_every == 0 and time.monotonic() - last_trim >= TRIM_EVERY_S:
                 release_free_heap()  # the steps' freed arrays, kept in malloc's heap (embedding_store.memory)
+                last_trim = time.monotonic()
             train_time += time.perf_counter() - t0  # the checks are part of every step
             window_loss += loss_value
             window_steps += 1
