@@ -117,6 +117,11 @@ class TableSpec:
         return 4 * self.row_floats
 
 
+# When a read is split over the reader threads: "auto" while reads fault pages in from the disk, "always"
+# whenever it is large enough (``LmdbOptions.read_split``, ``embedding_store.lmdb_threads.ReaderPool``).
+READ_SPLITS = ("auto", "always")
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class LmdbOptions:
     """Options of the SSD tier's LMDB environment.
@@ -235,7 +240,7 @@ class LmdbOptions:
             or not 1 <= self.read_threads <= 256
         ):
             raise ValueError(f"LmdbOptions.read_threads must be an int in 1..256, got {self.read_threads!r}")
-        if self.read_split not in ("auto", "always"):
+        if self.read_split not in READ_SPLITS:
             raise ValueError(f"LmdbOptions.read_split must be 'auto' or 'always', got {self.read_split!r}")
         if self.layout not in ("log", "btree"):
             raise ValueError(f"LmdbOptions.layout must be 'log' or 'btree', got {self.layout!r}")

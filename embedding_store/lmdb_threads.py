@@ -22,16 +22,15 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from embedding_store.config import READ_SPLITS
 from embedding_store.errors import StoreClosedError
 
-__all__ = ["MIN_RUN_KEYS", "SPLITS", "ReaderPool", "SharedExclusiveLock", "thread_major_faults"]
+__all__ = ["MIN_RUN_KEYS", "ReaderPool", "SharedExclusiveLock", "thread_major_faults"]
 
 T = TypeVar("T")
 
 # Fewest keys one run reads: a read of fewer than twice this many stays in the calling thread.
 MIN_RUN_KEYS = 64
-# When a read is split: "auto" while reads fault pages in from the disk, "always" whenever it is large enough.
-SPLITS = ("auto", "always")
 
 
 def thread_major_faults() -> int:
@@ -96,7 +95,7 @@ class ReaderPool:
     Args:
         threads: most runs of one read in flight; 1 reads everything in the calling thread.
         min_run: fewest keys of one run.
-        split: ``"auto"`` or ``"always"`` (``SPLITS``).
+        split: ``"auto"`` or ``"always"`` (``embedding_store.config.READ_SPLITS``).
         major_faults: the calling thread's major fault count so far (``thread_major_faults``).
     """
 
@@ -110,8 +109,8 @@ class ReaderPool:
     ) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"ReaderPool threads must be an int >= 1, got {threads!r}")
-        if split not in SPLITS:
-            raise ValueError(f"ReaderPool split must be one of {SPLITS}, got {split!r}")
+        if split not in READ_SPLITS:
+            raise ValueError(f"ReaderPool split must be one of {READ_SPLITS}, got {split!r}")
         self._threads = threads
         self._min_run = max(1, min_run)
         self._auto = split == "auto" and _COUNTS_THREAD_FAULTS
@@ -142,9 +141,9 @@ class ReaderPool:
         out: list[T] = []
         faults = keys = 0
         for i, run in enumerate(runs):
-            before = self._major_faults()
-            out.append(read(run))
-            faults += self._major_faults() - before
+            value, run_faults = self._counted(read, run)
+            out.append(value)
+            faults += run_faults
             keys += run.stop - run.start
             if _faulting(faults, keys):
                 self.faulting = True
@@ -153,20 +152,20 @@ class ReaderPool:
                 return out
         return out
 
+    def _counted(self, read: Callable[[slice], T], run: slice) -> tuple[T, int]:
+        """``read(run)`` and the major faults the calling thread took in it."""
+        before = self._major_faults()
+        value = read(run)
+        return value, self._major_faults() - before
+
     def _split(self, read: Callable[[slice], T], runs: list[slice]) -> list[tuple[T, int]]:
         """Each run's value and major faults, the first run read in the calling thread."""
-
-        def counted(run: slice) -> tuple[T, int]:
-            before = self._major_faults()
-            value = read(run)
-            return value, self._major_faults() - before
-
         if len(runs) == 1:
-            return [counted(runs[0])]
+            return [self._counted(read, runs[0])]
         pool = self._executor()
-        futures = [pool.submit(counted, run) for run in runs[1:]]
+        futures = [pool.submit(self._counted, read, run) for run in runs[1:]]
         try:
-            first = counted(runs[0])
+            first = self._counted(read, runs[0])
         finally:
             concurrent.futures.wait(futures)
         return [first, *(f.result() for f in futures)]

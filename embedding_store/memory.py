@@ -21,9 +21,10 @@ def release_free_heap() -> bool:
     glibc serves blocks up to its mmap threshold from its heaps and raises that threshold to the size of
     every large block freed (up to 32 MiB), so a training step's transient arrays of a few MiB come from
     the heap, and freed, stay in the process between steps. The training loop calls this on a logging
-    step at most every 10 s (``recsys.loop.TRIM_EVERY_S``): in a run of ``benchmarks/bench_scale.py`` over
-    8 M ids (a call every 20 steps), peak anonymous RSS 1.02 GiB instead of 1.23 at ~20 ms a call. (Fixing the threshold lower instead halved that
-    benchmark's speed: its steps then mapped and faulted in fresh memory for every large array.)
+    step at most every 10 s (``recsys.loop.TRIM_EVERY_S``): in a run of ``benchmarks/bench_scale.py``
+    over 8 M ids (a call every 20 steps), peak anonymous RSS 1.02 GiB instead of 1.23 at ~20 ms a call.
+    (Fixing the threshold lower instead halved that benchmark's speed: its steps then mapped and faulted
+    in fresh memory for every large array.)
 
     Returns:
         whether it ran (False where the C library has no ``malloc_trim``, e.g. not glibc).
