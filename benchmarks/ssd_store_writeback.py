@@ -160,6 +160,7 @@ def _log_counts(log: Any) -> dict[str, float]:
         "copied_rows": log.stats.copied_rows,
         "compactions": log.stats.compactions,
         "compact_s": log.stats.compact_s,
+        "readahead_bytes": log.stats.readahead_bytes,
     }
 
 

@@ -41,6 +41,7 @@ from embedding_store.config import LmdbOptions, TableSpec
 from embedding_store.errors import StoreCorruptError, StoreError, StoreFullError, StoreIncompatibleError
 from embedding_store.lmdb_log import LogTables, encode_keys
 from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
+from embedding_store.readahead import MappedFile
 
 __all__ = [
     "FORMAT_VERSION",
@@ -163,6 +164,7 @@ class LmdbBackend:
         self._rw = SharedExclusiveLock()
         self._readers = ReaderPool(options.read_threads, split=options.read_split)
         self._data_file = os.path.realpath(path / "data.mdb")
+        self._mapped = MappedFile(self._data_file)
         self._rows_since_unmap = 0
         self._row_bytes = {t.name: t.row_bytes for t in tables}
         try:
@@ -192,6 +194,8 @@ class LmdbBackend:
                     layout=(segment_rows, options.log_compact_at),
                     locks=(self._rw, self._readers),
                     io=(self._commit, self._count_read),
+                    mapped=self._mapped,
+                    unmap_every=options.unmap_every_rows,
                 )
                 return
             self._dbs = {t.name: self._env.open_db(t.name.encode(), create=True) for t in tables}
@@ -449,6 +453,7 @@ class LmdbBackend:
                 ) from cause
             new = 2 * current if cap is None else min(2 * current, cap)
             try:
+                self._mapped.moved()  # the map is made again, maybe at another address
                 self._env.set_mapsize(new)
             except lmdb.Error as err:
                 raise map_error(err, f"cannot grow the LMDB map to {new} bytes") from err
@@ -492,3 +497,4 @@ class LmdbBackend:
         """Stop the reader threads and close the environment (idempotent)."""
         self._readers.close()
         self._env.close()
+        self._mapped.close()

@@ -44,6 +44,7 @@ from embedding_store.config import TableSpec
 from embedding_store.errors import StoreCorruptError
 from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
 from embedding_store.log_index import SeqIndex, make_seq_index
+from embedding_store.readahead import PAGE, PROBE_EVERY, MappedFile, page_runs
 
 __all__ = [
     "RUN_IDS",
@@ -198,6 +199,7 @@ class LogStats:
     copied_rows: int = 0  # rows copied by compaction
     compactions: int = 0  # segments dropped
     compact_s: float = 0.0  # wall time spent compacting
+    readahead_bytes: int = 0  # bytes of compacted segments asked for ahead of their reads
 
 
 @dataclass(slots=True)
@@ -212,6 +214,8 @@ class _Table:
     next_seq: int = 0  # block-aligned
     version: int = 0  # bumped at every publication (invalidates the sorted ids of scan)
     sorted_ids: tuple[int, np.ndarray] | None = None
+    # segment -> (probed block numbers, their pages in the data file) of each append into it
+    probes: dict[int, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
 
 class LogTables:
@@ -227,6 +231,9 @@ class LogTables:
         io: ``commit(fill, need_bytes, num_rows, exclusive=False)``, which runs ``fill(txn)`` in one write
             transaction (run again whole after a map resize; LMDB errors mapped to StoreErrors), and
             ``count_read(rows)``, told of every read (it drops the mapped pages every so many rows).
+        mapped: the map of the data file, for read-ahead of compacted segments (None: no read-ahead).
+        unmap_every: blocks a read reads between two ``count_read`` calls (None: a read is one chunk),
+            so that the mapped pages are dropped inside a large read too (``LmdbOptions.unmap_every_rows``).
     """
 
     def __init__(
@@ -237,11 +244,15 @@ class LogTables:
         layout: tuple[int, float],
         locks: tuple[SharedExclusiveLock, ReaderPool],
         io: tuple[Commit, Callable[[int], None]],
+        mapped: MappedFile | None = None,
+        unmap_every: int | None = None,
     ) -> None:
         self._env = env
         self._segment_rows, self._compact_at = layout
         self._rw, self._readers = locks
         self._commit, self._count_read = io
+        self._mapped = mapped
+        self._unmap_every = unmap_every
         self._index_lock = threading.Lock()  # index lookups and updates
         self._write_lock = threading.Lock()  # one writer at a time (appends and compactions)
         self.stats = LogStats()
@@ -281,11 +292,16 @@ class LogTables:
     def _read(self, t: _Table, ordered: np.ndarray) -> np.ndarray:
         """Rows of ascending sequence numbers (the caller holds the shared lock)."""
         inverse, keys, seg_of, seg_bounds = t.geo.plan(ordered)
-        bounds = sorted(set(seg_bounds) | {run.start for run in self._readers.runs(len(keys))})
-        pieces = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-        got = self._readers.map(functools.partial(self._read_blocks, t, keys, seg_of), pieces)
-        self._count_read(len(keys))
-        values = [v for run in got for _, v in run]
+        values: list[bytes] = []
+        step = max(1, self._unmap_every or len(keys))
+        for lo in range(0, len(keys), step):  # the mapped pages are dropped between chunks (bounded RSS)
+            hi = min(len(keys), lo + step)
+            runs = self._readers.runs(hi - lo)
+            bounds = sorted({b for b in seg_bounds if lo < b < hi} | {lo, hi} | {lo + r.start for r in runs})
+            pieces = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+            got = self._readers.map(functools.partial(self._read_blocks, t, keys, seg_of), pieces)
+            self._count_read(hi - lo)
+            values.extend(v for run in got for _, v in run)
         if len(values) != len(keys):
             raise StoreCorruptError(f"table {t.spec.name!r}: the log index points at blocks that are missing")
         return _rows_of_blocks(values, inverse, ordered % t.geo.block, t.spec)
@@ -364,6 +380,40 @@ class LogTables:
             t.records.setdefault(seg, 0)
             t.live.setdefault(seg, 0)
         self._publish(staged)
+        self._note_pages(staged)
+
+    def _note_pages(self, staged: list[_Staged]) -> None:
+        """Note the pages of every ``PROBE_EVERY``-th block just appended (read-ahead hints, see
+        :mod:`embedding_store.readahead`); the pages were just written, so the lookups do not fault."""
+        base = None if self._mapped is None else self._mapped.base()
+        if base is None:
+            return
+        probed = 0
+        with self._rw.shared(), self._env.begin(buffers=True) as txn:
+            for t, _, _, seqs in staged:
+                for a, b in _split(seqs, t.geo.segment):
+                    seg = int(seqs[a]) // t.geo.segment
+                    first, count = int(seqs[a]) // t.geo.block, -(-(b - a) // t.geo.block)
+                    blocks = first + np.arange(0, count, PROBE_EVERY)
+                    got = txn.cursor(db=t.segs[seg]).getmulti(encode_keys(blocks))
+                    if len(got) == blocks.shape[0]:
+                        where = np.fromiter(
+                            (np.frombuffer(v, np.uint8).ctypes.data for _, v in got), np.int64, len(got)
+                        )
+                        t.probes.setdefault(seg, []).append((blocks, (where - base) // PAGE))
+                    probed += len(got)
+        self._count_read(probed)
+
+    def _read_ahead(self, t: _Table, probes: tuple[np.ndarray, np.ndarray] | None, seqs: np.ndarray) -> None:
+        """Ask for the pages of the blocks of ascending ``seqs`` ahead of their reads."""
+        if self._mapped is None or probes is None or not seqs.shape[0]:
+            return
+        blocks, pages = probes
+        first, last = int(seqs[0]) // t.geo.block, int(seqs[-1]) // t.geo.block
+        lo, hi = np.searchsorted(blocks, [first - PROBE_EVERY, last])
+        per_page = max(1, PAGE // (t.geo.block * t.spec.row_bytes))
+        runs = page_runs(blocks[lo : hi + 1], pages[lo : hi + 1], pad=PROBE_EVERY // per_page)
+        self.stats.readahead_bytes += self._mapped.willneed(runs)
 
     def _publish(self, staged: list[_Staged]) -> None:
         """Point the index at committed records and count live rows per segment."""
@@ -408,7 +458,13 @@ class LogTables:
         with self._index_lock:
             alive = t.index.lookup(ids) == seqs
         ids, seqs = ids[alive], seqs[alive]
+        noted = t.probes.pop(seg, None)
+        probes = None
+        if noted:
+            probes = (np.concatenate([b for b, _ in noted]), np.concatenate([p for _, p in noted]))
+        self._read_ahead(t, probes, seqs[:COPY_ROWS])
         for a in range(0, ids.shape[0], COPY_ROWS):
+            self._read_ahead(t, probes, seqs[a + COPY_ROWS : a + 2 * COPY_ROWS])  # the next part, meanwhile
             with self._rw.shared():
                 rows = self._read(t, seqs[a : a + COPY_ROWS])
             first = t.next_seq

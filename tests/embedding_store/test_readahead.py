@@ -1,0 +1,103 @@
+"""Read-ahead of compacted segments: the runs it asks for hold the pages compaction then reads."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embedding_store import LmdbOptions, OptimizerKind, TableSpec
+from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.lmdb_log import encode_keys
+from embedding_store.readahead import PAGE, MappedFile, page_runs
+
+SPEC = TableSpec(name="t", dim=64, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)  # 7 rows a block
+
+
+def _layout(rng: np.random.Generator, blocks: int, per_page: int) -> np.ndarray:
+    """The page of each block: runs of consecutive pages at random places, ascending inside a run."""
+    pages, b = np.empty(blocks, dtype=np.int64), 0
+    while b < blocks:
+        n = int(rng.integers(1, 400))  # blocks in this run
+        start = int(rng.integers(0, 1 << 20))
+        take = min(n, blocks - b)
+        pages[b : b + take] = start + np.arange(take) // per_page
+        b += take
+    return pages
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_page_runs_hold_every_block_between_probes(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    per_page, every = 2, 64
+    pages = _layout(rng, 20_000, per_page)
+    probed = np.arange(0, pages.shape[0], every)
+    runs = page_runs(probed, pages[probed], pad=every // per_page)
+    inside = np.zeros(pages.shape[0], dtype=bool)
+    for lo, hi in runs:
+        inside |= (pages >= lo) & (pages < hi)
+    # a run that starts and ends between two probes is not seen; every other block is inside
+    breaks = int(np.count_nonzero(np.abs(np.diff(pages)) > 1))
+    assert np.count_nonzero(~inside) <= breaks * every // 4, (np.count_nonzero(~inside), breaks)
+    assert all(a[1] < b[0] for a, b in zip(runs, runs[1:], strict=False))  # sorted, disjoint
+    asked = sum(hi - lo for lo, hi in runs)
+    assert asked <= np.unique(pages).shape[0] + 2 * (every // per_page + 1) * (breaks + 1)
+
+
+def test_page_runs_of_nothing() -> None:
+    assert page_runs(np.empty(0, np.int64), np.empty(0, np.int64), pad=4) == []
+
+
+class _Recording(MappedFile):
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.asked: list[tuple[int, int]] = []
+
+    def willneed(self, runs: list[tuple[int, int]]) -> int:
+        self.asked.extend(runs)
+        return super().willneed(runs)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read-ahead needs /proc/self/maps")
+def test_compaction_asks_for_the_pages_of_the_rows_it_copies(tmp_path: Path) -> None:
+    options = LmdbOptions(initial_map_size_bytes=1 << 22, log_segment_rows=1 << 14, log_compact_at=0.7)
+    backend = LmdbBackend(tmp_path / "env", options=options, seed=0, tables=[SPEC])
+    log = backend._log
+    assert log is not None
+    mapped = _Recording(backend._data_file)
+    log._mapped = backend._mapped = mapped  # the map grows during the run: its start is found again
+    compact, seen = log.compact, []
+
+    def watched(table: str, seg: int) -> None:
+        t = log._tables[table]
+        _, ids, seqs = log._runs_of(t, seg)
+        blocks = np.unique(seqs[t.index.lookup(ids) == seqs] // t.geo.block)
+        with backend._env.begin(buffers=True) as txn:
+            got = txn.cursor(db=t.segs[seg]).getmulti(encode_keys(blocks))
+            at = [(np.frombuffer(v, np.uint8).ctypes.data - mapped.base()) // PAGE for _, v in got]
+        pages = np.unique(at)
+        mapped.asked.clear()
+        compact(table, seg)
+        inside = np.zeros(pages.shape[0], dtype=bool)
+        for lo, hi in mapped.asked:
+            inside |= (pages >= lo) & (pages < hi)
+        seen.append((inside.mean(), sum(hi - lo for lo, hi in mapped.asked) / pages.shape[0]))
+
+    log.compact = watched  # type: ignore[method-assign]
+    rng = np.random.default_rng(0)
+    oracle: dict[int, np.ndarray] = {}
+    for step in range(50):
+        ids = np.unique(rng.integers(0, 80_000, size=8_000 if step else 80_000)).astype(np.int64)
+        rows = rng.standard_normal((ids.shape[0], SPEC.row_floats)).astype(np.float32)
+        backend.put_rows([("t", ids, rows)])
+        oracle.update(zip(ids.tolist(), rows, strict=True))
+    assert len(seen) > 5 and log.stats.readahead_bytes > 0
+    cover = sorted(c for c, _ in seen)  # where the free list is fragmented, some pages are not seen
+    assert cover[len(cover) // 2] >= 0.95 and cover[0] >= 0.8, cover  # nearly every page it read
+    assert max(r for _, r in seen) <= 1.5, seen  # and little else
+    want = np.array(sorted(oracle), dtype=np.int64)
+    found, rows = backend.get_rows("t", want)
+    assert found.all() and np.array_equal(rows, np.stack([oracle[i] for i in want.tolist()]))
+    backend.close()
