@@ -1,13 +1,15 @@
 """The log layout's id -> sequence-number index: which record of the log holds each id's live row.
 
-Two maps with one contract, both compiled or vectorised (no per-id Python):
+Three maps with one contract, all compiled or vectorised (no per-id Python):
 
 - :class:`DenseSeqIndex` for bounded id spaces up to ``DENSE_MAX_IDS`` ids: one int64 per possible id.
-- :class:`HashSeqIndex` for anything else: open addressing with linear probing over two arrays (int64
-  ids; uint32 sequence numbers until one passes 2^32 - 1, int64 from then on), at most ``MAX_LOAD``
-  full: 12 bytes a cell, 15-30 bytes per stored id. Ids are
-  never removed (a row, once stored, stays stored), so there are no tombstones; the table doubles when
-  it would pass ``MAX_LOAD``.
+- :class:`SortedSeqIndex` for anything else (``make_seq_index``): packed sorted entries, ~11 bytes per
+  stored id (6 of key, 4 of sequence number, a directory), with new ids gathered in a small
+  :class:`HashSeqIndex` and merged in place.
+- :class:`HashSeqIndex`: open addressing with linear probing over two arrays (int64 ids; uint32
+  sequence numbers until one passes 2^32 - 1, int64 from then on), at most ``MAX_LOAD`` full: 12 bytes a
+  cell, 15-30 bytes per stored id. Ids are never removed (a row, once stored, stays stored), so there are
+  no tombstones; the table doubles when it would pass ``MAX_LOAD``.
 
 The loops are numba functions that release the interpreter lock (``nogil``): the reader threads and the
 writer thread look ids up while the training thread runs.
@@ -20,7 +22,7 @@ from typing import Protocol
 import numba
 import numpy as np
 
-__all__ = ["DENSE_MAX_IDS", "DenseSeqIndex", "HashSeqIndex", "SeqIndex", "make_seq_index"]
+__all__ = ["DENSE_MAX_IDS", "DenseSeqIndex", "HashSeqIndex", "SeqIndex", "SortedSeqIndex", "make_seq_index"]
 
 DENSE_MAX_IDS = 1 << 22  # 32 MiB of int64 at most; the hash index costs 20-40 bytes per stored id
 MAX_LOAD = 0.8
@@ -91,6 +93,20 @@ def _dense_lookup(vals, ids, n, out):  # type: ignore[no-untyped-def] # pragma: 
         out[i] = vals[ids[i]] if 0 <= ids[i] < n else _EMPTY
 
 
+def _upsert_args(
+    ids: np.ndarray, seqs: np.ndarray, held: np.ndarray, name: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Contiguous int64 ``ids`` (checked >= 0) and ``seqs``, and the held sequence numbers widened to
+    int64 once a number does not fit their uint32."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.shape[0] and int(ids.min()) < 0:
+        raise ValueError(f"{name} ids must be >= 0")
+    seqs = np.ascontiguousarray(seqs, np.int64)
+    if held.dtype == np.uint32 and seqs.shape[0] and int(seqs.max()) >= _U32_MAX:
+        held = held.astype(np.int64)  # numbers this large: a long life of compactions
+    return ids, seqs, held
+
+
 class SeqIndex(Protocol):
     """id -> sequence number of its live record (ids int64 >= 0, sequence numbers int64 >= 0)."""
 
@@ -159,12 +175,7 @@ class HashSeqIndex:
         return out
 
     def upsert(self, ids: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        if ids.shape[0] and int(ids.min()) < 0:
-            raise ValueError("HashSeqIndex ids must be >= 0")
-        seqs = np.ascontiguousarray(seqs, np.int64)
-        if self._vals.dtype == np.uint32 and seqs.shape[0] and int(seqs.max()) >= _U32_MAX:
-            self._vals = self._vals.astype(np.int64)  # numbers this large: a long life of compactions
+        ids, seqs, self._vals = _upsert_args(ids, seqs, self._vals, "HashSeqIndex")
         if self._len + ids.shape[0] > MAX_LOAD * self._keys.shape[0]:
             self._grow(self._len + ids.shape[0])
         old = np.empty(ids.shape[0], dtype=np.int64)
@@ -192,8 +203,200 @@ class HashSeqIndex:
         return self._len
 
 
+# ----------------------------------------------------------------------------- the packed sorted index
+# Keys are ids mixed by an odd multiplier mod 2^64 (a bijection: hashed or sequential ids alike spread
+# evenly). The top ``64 - shift`` bits of a key pick its bucket in a directory of offsets; only the other
+# ``shift`` bits (32..48) are stored, as a uint32 and a uint16, so an id costs 6 bytes and its sequence
+# number 4, plus the directory (<= 1 byte per id at 8 ids a bucket at least).
+_MUL_INV = np.uint64(pow(int(_MUL), -1, 1 << 64))
+_ONE = np.uint64(1)
+_U32 = np.uint64(32)
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
+@numba.njit(nogil=True, cache=True)
+def _key_at(lo, hi, i):  # type: ignore[no-untyped-def] # pragma: no cover
+    return (np.uint64(hi[i]) << _U32) | np.uint64(lo[i])
+
+
+@numba.njit(nogil=True, cache=True)
+def _find(lo, hi, off, shift, m):  # type: ignore[no-untyped-def] # pragma: no cover
+    """Position of mixed key ``m`` among the sorted entries, or -1."""
+    b = m >> shift
+    r = m & ((_ONE << shift) - _ONE)
+    a, z = np.int64(off[b]), np.int64(off[b + _ONE])
+    end = z
+    while a < z:
+        mid = (a + z) >> 1
+        if _key_at(lo, hi, mid) < r:
+            a = mid + 1
+        else:
+            z = mid
+    if a < end and _key_at(lo, hi, a) == r:
+        return a
+    return -1
+
+
+def _sigs(args: str) -> list[str]:
+    """The signature for either dtype of the sequence numbers (``{s}``)."""
+    return [f"void(uint32[:], uint16[:], {s}[:], uint32[:], uint64, {args})" for s in ("uint32", "int64")]
+
+
+@numba.njit(_sigs("int64[:], int64[:]"), nogil=True, cache=True)
+def _sorted_lookup(lo, hi, seqs, off, shift, ids, out):  # type: ignore[no-untyped-def] # pragma: no cover
+    for i in range(ids.shape[0]):
+        p = _find(lo, hi, off, shift, np.uint64(ids[i]) * _MUL)
+        out[i] = np.int64(seqs[p]) if p >= 0 else _EMPTY
+
+
+@numba.njit(_sigs("int64[:], int64[:], int64[:]"), nogil=True, cache=True)
+def _sorted_update(lo, hi, seqs, off, shift, ids, new, old):  # type: ignore[no-untyped-def] # pragma: no cover
+    """Ids found among the entries take their new number (``old``: the previous one); -2 for the others."""
+    for i in range(ids.shape[0]):
+        p = _find(lo, hi, off, shift, np.uint64(ids[i]) * _MUL)
+        if p >= 0:
+            old[i] = np.int64(seqs[p])
+            seqs[p] = new[i]
+        else:
+            old[i] = -2
+
+
+@numba.njit(_sigs("int64, uint64[:], int64[:]"), nogil=True, cache=True)
+def _sorted_merge(lo, hi, seqs, off, shift, n, keys, new):  # type: ignore[no-untyped-def] # pragma: no cover
+    """Merge sorted mixed ``keys`` (absent ones) with numbers ``new`` into the n entries, in place from the
+    back (the arrays hold n + len(keys)), then move the directory's offsets."""
+    mask = (_ONE << shift) - _ONE
+    i, j, w = n - 1, keys.shape[0] - 1, n + keys.shape[0] - 1
+    b = off.shape[0] - 2
+    while j >= 0:
+        take_base = False
+        if i >= 0:
+            while np.int64(off[b]) > i:
+                b -= 1
+            take_base = ((np.uint64(b) << shift) | _key_at(lo, hi, i)) > keys[j]
+        if take_base:
+            lo[w], hi[w], seqs[w] = lo[i], hi[i], seqs[i]
+            i -= 1
+        else:
+            r = keys[j] & mask
+            lo[w], hi[w], seqs[w] = r & _LOW32, r >> _U32, new[j]
+            j -= 1
+        w -= 1
+    jj = 0
+    for b in range(off.shape[0]):
+        while jj < keys.shape[0] and np.int64(keys[jj] >> shift) < b:
+            jj += 1
+        off[b] += jj
+
+
+@numba.njit("uint32[:](uint32[:], uint16[:], uint32[:], uint64, int64)", nogil=True, cache=True)
+def _split_buckets(lo, hi, off, shift, n):  # type: ignore[no-untyped-def] # pragma: no cover
+    """Double the directory: each key's top stored bit moves into its bucket number (in place)."""
+    bit = shift - _ONE
+    new_off = np.zeros(2 * (off.shape[0] - 1) + 1, dtype=np.uint32)
+    b = 0
+    for i in range(n):
+        while np.int64(off[b + 1]) <= i:
+            b += 1
+        k = _key_at(lo, hi, i)
+        top = (k >> bit) & _ONE
+        k &= (_ONE << bit) - _ONE
+        lo[i], hi[i] = k & _LOW32, k >> _U32
+        new_off[2 * b + np.int64(top) + 1] += 1
+    for c in range(1, new_off.shape[0]):
+        new_off[c] += new_off[c - 1]
+    return new_off
+
+
+@numba.njit("void(uint32[:], uint16[:], uint32[:], uint64, int64, int64[:])", nogil=True, cache=True)
+def _sorted_ids(lo, hi, off, shift, n, out):  # type: ignore[no-untyped-def] # pragma: no cover
+    b = 0
+    for i in range(n):
+        while np.int64(off[b + 1]) <= i:
+            b += 1
+        out[i] = np.int64(((np.uint64(b) << shift) | _key_at(lo, hi, i)) * _MUL_INV)
+
+
+class SortedSeqIndex:
+    """Any int64 ids >= 0 in ~11 bytes each: packed sorted entries and a small hash of recent new ids.
+
+    The entries are sorted by mixed key (see above) and looked up by a directory bucket and a binary
+    search inside it (~8 entries). A known id's number is updated in place; a new id goes to a
+    :class:`HashSeqIndex` (the *delta*), which is merged into the entries, in place from the back,
+    once it holds 1/32 of them. The arrays grow by an eighth at a time (``ndarray.resize``: a large
+    block is remapped, not copied), and the directory doubles, in place, once it has fewer than an
+    eighth as many buckets as entries: no step of the index holds two copies of it.
+    """
+
+    MIN_BITS = 16  # directory buckets 2^16 at least (256 KiB); stored key bits 48 at most
+
+    def __init__(self, *, merge_min: int = 1 << 16) -> None:
+        self._merge_min = merge_min  # new ids the delta holds before a merge, at least
+        self._shift = np.uint64(64 - self.MIN_BITS)
+        self._off = np.zeros((1 << self.MIN_BITS) + 1, dtype=np.uint32)
+        self._lo = np.empty(0, dtype=np.uint32)
+        self._hi = np.empty(0, dtype=np.uint16)
+        self._seqs: np.ndarray = np.empty(0, dtype=np.uint32)
+        self._n = 0  # sorted entries
+        self._delta = HashSeqIndex(merge_min)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty(ids.shape[0], dtype=np.int64)
+        _sorted_lookup(self._lo, self._hi, self._seqs, self._off, self._shift, ids, out)
+        miss = np.flatnonzero(out < 0)
+        if miss.shape[0] and len(self._delta):
+            out[miss] = self._delta.lookup(ids[miss])
+        return out
+
+    def upsert(self, ids: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        ids, seqs, self._seqs = _upsert_args(ids, seqs, self._seqs, "SortedSeqIndex")
+        old = np.empty(ids.shape[0], dtype=np.int64)
+        _sorted_update(self._lo, self._hi, self._seqs, self._off, self._shift, ids, seqs, old)
+        miss = np.flatnonzero(old == -2)
+        if miss.shape[0]:
+            old[miss] = self._delta.upsert(ids[miss], seqs[miss])
+            if len(self._delta) >= max(self._merge_min, self._n >> 5):
+                self._merge()
+        return old
+
+    def _merge(self) -> None:
+        ids, seqs = self._delta.items()
+        keys = ids.astype(np.uint64) * _MUL
+        order = np.argsort(keys)
+        keys, seqs = keys[order], seqs[order]
+        need = self._n + keys.shape[0]
+        if need > 0xFFFFFFFF:
+            raise ValueError("SortedSeqIndex holds at most 2^32 - 1 ids")
+        if need > self._lo.shape[0]:
+            cap = need + need // 8
+            for a in (self._lo, self._hi, self._seqs):
+                a.resize(cap, refcheck=False)  # private arrays, no views: realloc (remap) in place
+        _sorted_merge(self._lo, self._hi, self._seqs, self._off, self._shift, self._n, keys, seqs)
+        self._n = need
+        while self._n > 8 * (self._off.shape[0] - 1) and self._shift > 32:
+            self._off = _split_buckets(self._lo, self._hi, self._off, self._shift, self._n)
+            self._shift -= np.uint64(1)
+        self._delta = HashSeqIndex(max(self._merge_min, self._n >> 5))
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.empty(self._n, dtype=np.int64)
+        _sorted_ids(self._lo, self._hi, self._off, self._shift, self._n, ids)
+        more_ids, more_seqs = self._delta.items()
+        return np.concatenate([ids, more_ids]), np.concatenate(
+            [self._seqs[: self._n].astype(np.int64), more_seqs]
+        )
+
+    def nbytes(self) -> int:
+        arrays = (self._lo, self._hi, self._seqs, self._off)
+        return int(sum(a.nbytes for a in arrays)) + self._delta.nbytes()
+
+    def __len__(self) -> int:
+        return self._n + len(self._delta)
+
+
 def make_seq_index(num_embeddings: int | None) -> SeqIndex:
     """The dense index for a small bounded id space, the hash index otherwise."""
     if num_embeddings is not None and num_embeddings <= DENSE_MAX_IDS:
         return DenseSeqIndex(num_embeddings)
-    return HashSeqIndex()
+    return SortedSeqIndex()

@@ -71,7 +71,8 @@ class EvictionPolicy:
     def __init__(self, capacity: int) -> None:
         self._tick = 0
         self.last_use = np.zeros(capacity, dtype=np.int64)  # (capacity,) tick of the last batch
-        self.use_count = np.zeros(capacity, dtype=np.int64)  # (capacity,) batches that used it
+        # (capacity,) batches that used it: kept only by the policies that read it (8 bytes a position)
+        self.use_count = np.zeros(capacity if self.counts_uses else 0, dtype=np.int64)
 
     def touch(self, positions: np.ndarray) -> None:
         """Record one batch's use of (N,) positions (duplicates allowed)."""
@@ -84,12 +85,14 @@ class EvictionPolicy:
         """(N,) positions now hold new rows: reset their history to "just used once"."""
         self._tick += 1
         self.last_use[positions] = self._tick
-        self.use_count[positions] = 1
+        if self.counts_uses:
+            self.use_count[positions] = 1
 
     def remove(self, positions: np.ndarray) -> None:
         """(N,) positions were emptied."""
         self.last_use[positions] = 0
-        self.use_count[positions] = 0
+        if self.counts_uses:
+            self.use_count[positions] = 0
 
     def _sort_key(self, candidates: np.ndarray, future: np.ndarray | None) -> np.ndarray:
         return self.last_use[candidates]

@@ -16,7 +16,7 @@ import pytest
 from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, TableSpec
 from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.lmdb_scan import scan_snapshot
-from embedding_store.log_index import DenseSeqIndex, HashSeqIndex
+from embedding_store.log_index import DenseSeqIndex, HashSeqIndex, SortedSeqIndex
 
 sys.path.insert(0, str(Path(__file__).parent))
 import log_child  # noqa: E402
@@ -119,6 +119,25 @@ def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path,
         )
 
 
+def test_a_large_read_drops_the_mapped_pages_between_chunks(tmp_path: Path) -> None:
+    """``unmap_every_rows`` bounds the pages one read maps: a read of 500 blocks is counted (and its
+    mapped pages dropped) every 40 blocks at most."""
+    backend = _open(tmp_path / "env", unmap_every_rows=40, read_threads=4, read_split="always")
+    rng = np.random.default_rng(1)
+    ids = np.arange(5000, dtype=np.int64) * 7_777_777
+    rows = rng.standard_normal((ids.shape[0], UNBOUNDED.row_floats)).astype(np.float32)
+    for a in range(0, ids.shape[0], 10):  # every write starts a block: 500 blocks
+        backend.put_rows([("u", ids[a : a + 10], rows[a : a + 10])])
+    log = backend._log
+    assert log is not None
+    counted: list[int] = []
+    log._count_read = counted.append  # type: ignore[method-assign]
+    found, got = backend.get_rows("u", ids)
+    assert found.all() and np.array_equal(got, rows)
+    assert sum(counted) == 500 and max(counted) <= 40, counted
+    backend.close()
+
+
 def test_a_store_keeps_its_layout(tmp_path: Path) -> None:
     ids, rows = np.array([1, 5]), np.ones((2, 2), np.float32)
     for layout in ("btree", "log"):
@@ -186,11 +205,11 @@ def test_damaged_runs_are_refused(tmp_path: Path) -> None:
         _open(tmp_path / "env")
 
 
-@pytest.mark.parametrize("index", [DenseSeqIndex(10_000), HashSeqIndex(4)])
+@pytest.mark.parametrize("index", [DenseSeqIndex(10_000), HashSeqIndex(4), SortedSeqIndex(merge_min=64)])
 def test_seq_index_upserts_like_a_dict(index) -> None:  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(3)
     oracle: dict[int, int] = {}
-    for step in range(50):  # sequence numbers pass 2^32 half way (the hash index widens its values)
+    for step in range(50):  # sequence numbers pass 2^32 half way (the indexes widen their values)
         ids = np.unique(rng.integers(0, 10_000, size=int(rng.integers(1, 400))))
         seqs = rng.integers(0, 1 << (30 if step < 25 else 40), size=ids.shape[0])
         old = index.upsert(ids, seqs)
@@ -201,6 +220,33 @@ def test_seq_index_upserts_like_a_dict(index) -> None:  # type: ignore[no-untype
         assert len(index) == len(oracle)
     ids, seqs = index.items()
     assert dict(zip(ids.tolist(), seqs.tolist(), strict=True)) == oracle
+
+
+def test_sorted_seq_index_through_directory_splits() -> None:
+    """700 k hashed ids: the directory doubles (past 8 ids a bucket), the arrays grow and merge many
+    times; every id keeps its newest number (a dict oracle)."""
+    rng = np.random.default_rng(5)
+    index, want = SortedSeqIndex(), {}
+    pool = np.unique(rng.integers(0, 1 << 63, size=700_000, dtype=np.int64))
+    seq = 0
+    for step in range(60):
+        pick = pool[: (step + 1) * pool.shape[0] // 60]  # the known ones again, and new ones
+        ids = np.unique(pick[rng.integers(0, pick.shape[0], size=20_000)])
+        ids = np.union1d(ids, pool[step * pool.shape[0] // 60 : (step + 1) * pool.shape[0] // 60])
+        old = index.upsert(ids, np.arange(seq, seq + ids.shape[0]))
+        assert np.array_equal(old, np.array([want.get(i, -1) for i in ids.tolist()]))
+        want.update(zip(ids.tolist(), range(seq, seq + ids.shape[0]), strict=True))
+        seq += ids.shape[0]
+    assert int(64 - index._shift) >= 17 and len(index) == pool.shape[0] == len(want)
+    q = np.concatenate([pool[rng.integers(0, pool.shape[0], 5000)], rng.integers(0, 1 << 63, 5000)])
+    assert index.lookup(q).tolist() == [want.get(i, -1) for i in q.tolist()]
+    ids, seqs = index.items()
+    order = np.argsort(ids)
+    assert np.array_equal(ids[order], pool)
+    assert np.array_equal(seqs[order], np.array([want[i] for i in pool.tolist()]))
+    hashed = HashSeqIndex()
+    hashed.upsert(ids, seqs)
+    assert index.nbytes() < 0.8 * hashed.nbytes()  # the delta's fixed 2^17 cells weigh most here
 
 
 def _kill_in_compaction(tmp_path: Path, seed: int, kills: int) -> None:
