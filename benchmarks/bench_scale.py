@@ -14,7 +14,7 @@ pages dropped every 1,024 rows so RSS stays bounded). It reports, as its LAST li
   the device's sectors written, ``/sys/dev/block``, which counts other processes too) and
   ``disk_write_bytes_per_row_byte``: the lesser per byte of rows written back (the final flush included);
 - ``peak_rss_gib`` (``VmHWM`` at the end of the fit and its final flush, and the peak sampled ``VmRSS`` with
-  its anonymous / file split; ``peak_rss_with_check_gib`` includes the check's second index) against
+  its anonymous / file split and ``peak_rss_sampled_in``: the fit or the final flush; ``peak_rss_with_check_gib`` includes the check's second index) against
   ``host_budget_gib``: the host tier's rows plus the device tier's slots (the CPU is the device here),
   and ``rss_limit_gib`` = budget + 3 GiB; ``log_index_gib`` is the id index inside it;
 - ``checked_rows``, ``rows_exact``: ``--check`` (1,000) ids sampled from the training batches before the
@@ -69,6 +69,8 @@ class RssProbe:
 
     def __init__(self, every_s: float = 0.5) -> None:
         self.peak: dict[str, int] = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+        self.peak_at_s = 0.0  # seconds after the probe started
+        self.started = time.perf_counter()
         self._stop = threading.Event()
         self._every = every_s
         self._thread = threading.Thread(target=self._run, name="rss-probe", daemon=True)
@@ -82,7 +84,7 @@ class RssProbe:
                     if k in self.peak
                 }
             if now["VmRSS"] > self.peak["VmRSS"]:
-                self.peak = now
+                self.peak, self.peak_at_s = now, time.perf_counter() - self.started
 
     def __enter__(self) -> RssProbe:
         self._thread.start()
@@ -192,6 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         summary = trainer.fit(windows)
         wall = time.perf_counter() - start
+        fit_end_s = time.perf_counter() - rss.started
         tiered = trainer.tiered
         assert tiered is not None and tiered.store is not None
         counters = tiered.counters()
@@ -206,6 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer.close()  # flushes every row held above LMDB
         del tiered, backend_log, trainer  # the store's index goes before the check opens the store again
         train_peak = dict(rss.peak)
+        peak_in = "fit" if rss.peak_at_s <= fit_end_s else "final flush"
     fit_hwm = _hwm()
     os.sync()
     written = written_in_fit if log_stats is None else log_stats.appended_rows
@@ -258,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # the fit and the final flush (VmHWM before the check reopens the store and rebuilds its index)
         "peak_rss_gib": fit_hwm / GIB,
         "peak_rss_sampled_gib": {k: v / GIB for k, v in train_peak.items()},
+        "peak_rss_sampled_in": peak_in,
         "peak_rss_with_check_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
         "host_budget_gib": budget / GIB,
         "rss_limit_gib": budget / GIB + 3,
