@@ -360,7 +360,11 @@ class LmdbBackend:
         self._rows_since_unmap += rows
         if self._rows_since_unmap >= every:
             self._rows_since_unmap = 0
-            drop_mapped_pages(self._data_file)
+            # Under the map lock (shared; callers may hold it already): no resize moves the map meanwhile.
+            # The map's kept address saves reading /proc/self/maps (~0.75 ms) on every drop.
+            with self._rw.shared():
+                if not self._mapped.drop(int(self._env.info()["map_size"])):
+                    drop_mapped_pages(self._data_file)
 
     def num_rows(self, table: str) -> int:
         """Rows stored for ``table``."""

@@ -10,6 +10,8 @@ one random read per page. The notes are hints: a wrong or missing one costs spee
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import sys
 
@@ -76,6 +78,17 @@ class MappedFile:
     def moved(self) -> None:
         """The map was made again (a resize): find its start anew."""
         self._base = None
+
+    def drop(self, map_bytes: int) -> bool:
+        """Drop the map's page-table entries (``MADV_DONTNEED`` over its ``map_bytes``; the page cache
+        stays). The caller holds the map lock, so the map cannot move meanwhile. Returns False where the
+        map's start cannot be told (nothing was done)."""
+        base = self.base()
+        if base is None:
+            return False
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(base), ctypes.c_size_t(map_bytes), mmap.MADV_DONTNEED)
+        return True
 
     def willneed(self, runs: list[tuple[int, int]]) -> int:
         """Ask the kernel to read page runs ``[first, end)`` into the page cache (it returns before the

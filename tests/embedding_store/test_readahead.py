@@ -101,3 +101,42 @@ def test_compaction_asks_for_the_pages_of_the_rows_it_copies(tmp_path: Path) -> 
     found, rows = backend.get_rows("t", want)
     assert found.all() and np.array_equal(rows, np.stack([oracle[i] for i in want.tolist()]))
     backend.close()
+
+
+def _mapped_bytes(path: str) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                inside = len(fields) == 6 and fields[5] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_the_mapped_pages_are_dropped_through_the_kept_map_address(tmp_path: Path, monkeypatch) -> None:
+    import embedding_store.lmdb_backend as lmdb_backend
+
+    def no_scan(path: str) -> None:
+        raise AssertionError("the drop read /proc/self/maps instead of using the map's kept address")
+
+    backend = LmdbBackend(
+        tmp_path / "env", options=LmdbOptions(unmap_every_rows=1 << 30), seed=0, tables=[SPEC]
+    )
+    ids = np.arange(20_000, dtype=np.int64) * 7_919
+    rows = np.random.default_rng(0).standard_normal((ids.shape[0], SPEC.row_floats)).astype(np.float32)
+    for a in range(0, ids.shape[0], 1_000):
+        backend.put_rows([("t", ids[a : a + 1_000], rows[a : a + 1_000])])
+    found, got = backend.get_rows("t", ids)
+    assert found.all() and np.array_equal(got, rows)
+    before = _mapped_bytes(backend._data_file)
+    assert before > 1 << 20  # the read mapped the pages it touched
+    monkeypatch.setattr(lmdb_backend, "drop_mapped_pages", no_scan)
+    backend._count_read(1 << 30)
+    assert _mapped_bytes(backend._data_file) < before // 8
+    found, again = backend.get_rows("t", ids)  # the pages fault back in from the page cache
+    assert found.all() and np.array_equal(again, rows)
+    backend.close()
