@@ -22,14 +22,11 @@ begun at the call would return).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import json
-import mmap
 import operator
 import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,9 +36,9 @@ import numpy as np
 
 from embedding_store.config import LmdbOptions, TableSpec
 from embedding_store.errors import StoreCorruptError, StoreError, StoreFullError, StoreIncompatibleError
-from embedding_store.lmdb_log import LogTables, encode_keys
+from embedding_store.lmdb_log import LogIo, LogTables, encode_keys
 from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
-from embedding_store.readahead import MappedFile
+from embedding_store.readahead import MappedFile, drop_mapped_pages
 
 __all__ = [
     "FORMAT_VERSION",
@@ -49,7 +46,6 @@ __all__ = [
     "encode_keys",
     "layout_of",
     "map_error",
-    "drop_mapped_pages",
     "table_meta",
 ]
 
@@ -120,20 +116,6 @@ def map_error(err: lmdb.Error, what: str, path: str | os.PathLike[str] | None = 
     return StoreError(f"{what}: {err}")
 
 
-def drop_mapped_pages(data_file: str) -> None:
-    """MADV_DONTNEED on this process's mappings of ``data_file``: LMDB maps it read-only and shared
-    (no writemap), so this only drops page-table entries; the next read re-faults from the page cache."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == data_file:
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                libc.madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), mmap.MADV_DONTNEED)
-
-
 def table_meta(spec: TableSpec) -> dict[str, object]:
     return {
         "dim": spec.dim,
@@ -193,9 +175,7 @@ class LmdbBackend:
                     tables,
                     layout=(segment_rows, options.log_compact_at),
                     locks=(self._rw, self._readers),
-                    io=(self._commit, self._count_read),
-                    mapped=self._mapped,
-                    unmap_every=options.unmap_every_rows,
+                    io=LogIo(self._commit, self._count_read, self._mapped, options.unmap_every_rows),
                 )
                 return
             self._dbs = {t.name: self._env.open_db(t.name.encode(), create=True) for t in tables}

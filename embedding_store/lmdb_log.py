@@ -22,11 +22,11 @@ compacted segment is dropped under the exclusive lock, after the index has left 
 still be on its way to it. A process killed anywhere leaves committed transactions only: a copy without
 its drop is a newer record of the same row (same bytes), and its old segment is compacted again later.
 
-Reads look up the ids, sort their sequence numbers (a segment's blocks are then read in file order),
-and read each block holding one of them once, in runs spread over the backend's reader pool: one page
-read per cold row, as in the B-tree (blocks are leaf values: LMDB touches the page while it searches,
-outside the interpreter lock, so the runs' faults are in flight together). Only :mod:`embedding_store.lmdb_backend` and ``lmdb_scan``
-import ``lmdb``; this module is handed the environment, and LMDB's errors are mapped there.
+Reads sort the ids' sequence numbers (a segment's blocks in file order) and read each block holding one
+once, in runs over the backend's reader pool: a page read per cold row (blocks are leaf values, so LMDB
+faults outside the interpreter lock and the runs' faults are in flight together). Compaction asks for a
+segment's pages ahead of its reads (:mod:`embedding_store.readahead`). Only ``lmdb_backend`` and
+``lmdb_scan`` import ``lmdb``; this module is handed the environment, and LMDB's errors are mapped there.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,16 +44,17 @@ from embedding_store.config import TableSpec
 from embedding_store.errors import StoreCorruptError
 from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
 from embedding_store.log_index import SeqIndex, make_seq_index
-from embedding_store.readahead import PAGE, PROBE_EVERY, MappedFile, page_runs
+from embedding_store.readahead import PAGE, PROBE_EVERY, MappedFile, joined, probed_pages, runs_between
 
 __all__ = [
     "RUN_IDS",
+    "LogIo",
     "LogStats",
     "LogTables",
     "Geometry",
     "replay_runs",
+    "rows_of_blocks",
     "runs_name",
-    "scan_log",
     "segment_name",
 ]
 
@@ -70,6 +71,27 @@ COPY_ROWS = 1 << 16
 
 
 Commit = Callable[..., None]  # commit(fill(txn), need_bytes, num_rows, exclusive=False)
+
+
+@dataclass(frozen=True, slots=True)
+class LogIo:
+    """How :class:`LogTables` commits and reads through its backend.
+
+    Attributes:
+        commit: runs ``fill(txn)`` in one write transaction (``commit(fill, need_bytes, num_rows,
+            exclusive=False)``; run again whole after a map resize; LMDB errors mapped to StoreErrors).
+        count_read: told of every read (it drops the mapped pages every so many rows).
+        mapped: the data file's map, for read-ahead of compacted segments (None: no read-ahead).
+        unmap_every: blocks read between two ``count_read`` calls (``LmdbOptions.unmap_every_rows``;
+            None: a read is one chunk), so a large read's mapped pages are dropped as it goes.
+    """
+
+    commit: Commit
+    count_read: Callable[[int], None]
+    mapped: MappedFile | None = None
+    unmap_every: int | None = None
+
+
 _Staged = tuple["_Table", np.ndarray, np.ndarray, np.ndarray]  # table, (N,) ids, (N, R) rows, (N,) seqs
 
 
@@ -114,7 +136,7 @@ class Geometry:
         )
 
 
-def _rows_of_blocks(
+def rows_of_blocks(
     values: list[bytes], inverse: np.ndarray, slots: np.ndarray, spec: TableSpec
 ) -> np.ndarray:
     """Rows ``slots`` of blocks ``inverse`` (indexes into ``values``) as an (N, R) float32 array."""
@@ -159,38 +181,6 @@ def replay_runs(
     return index, records, -(-end // geo.block) * geo.block
 
 
-def scan_log(
-    env: Any, spec: TableSpec, *, segment_rows: int, chunk_rows: int, open_db: Callable[[bytes], Any]
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Rows of ``spec``'s table in a log-layout environment, ascending ids, in chunks of ``chunk_rows``
-    (``open_db(name)``: the named database, read-only, or None when absent)."""
-    runs_db = open_db(runs_name(spec.name))
-    if runs_db is None:
-        return
-    geo = Geometry.of(spec, segment_rows)
-    index, records, _ = replay_runs(env, runs_db, spec, geo)
-    segs = {seg: open_db(segment_name(spec.name, seg)) for seg in records}
-    ids, seqs = index.items()
-    del index
-    order = np.argsort(ids)
-    ids, seqs = ids[order], seqs[order]
-    for a in range(0, ids.shape[0], chunk_rows):
-        part = seqs[a : a + chunk_rows]
-        by_seq = np.argsort(part)
-        ordered = part[by_seq]
-        inverse, keys, seg_of, bounds = geo.plan(ordered)
-        values: list[bytes] = []
-        with env.begin() as txn:
-            for lo, hi in zip(bounds, bounds[1:], strict=False):
-                db = segs.get(int(seg_of[lo]))
-                values.extend(v for _, v in ([] if db is None else txn.cursor(db=db).getmulti(keys[lo:hi])))
-        if len(values) != len(keys):
-            raise StoreCorruptError(f"table {spec.name!r}: the log's blocks do not match its runs")
-        rows = np.empty((part.shape[0], spec.row_floats), dtype=np.float32)
-        rows[by_seq] = _rows_of_blocks(values, inverse, ordered % geo.block, spec)
-        yield ids[a : a + chunk_rows].copy(), rows
-
-
 @dataclass(slots=True)
 class LogStats:
     """Counters of the log layout (all tables), for benchmarks and the write-amplification account."""
@@ -228,12 +218,7 @@ class LogTables:
             compacted, in (0, 1)).
         locks: the backend's shared/exclusive lock (shared: reads and commits; exclusive: map resize,
             segment drops) and its reader pool.
-        io: ``commit(fill, need_bytes, num_rows, exclusive=False)``, which runs ``fill(txn)`` in one write
-            transaction (run again whole after a map resize; LMDB errors mapped to StoreErrors), and
-            ``count_read(rows)``, told of every read (it drops the mapped pages every so many rows).
-        mapped: the map of the data file, for read-ahead of compacted segments (None: no read-ahead).
-        unmap_every: blocks a read reads between two ``count_read`` calls (None: a read is one chunk),
-            so that the mapped pages are dropped inside a large read too (``LmdbOptions.unmap_every_rows``).
+        io: how it commits and reads (:class:`LogIo`).
     """
 
     def __init__(
@@ -243,16 +228,12 @@ class LogTables:
         *,
         layout: tuple[int, float],
         locks: tuple[SharedExclusiveLock, ReaderPool],
-        io: tuple[Commit, Callable[[int], None]],
-        mapped: MappedFile | None = None,
-        unmap_every: int | None = None,
+        io: LogIo,
     ) -> None:
         self._env = env
         self._segment_rows, self._compact_at = layout
         self._rw, self._readers = locks
-        self._commit, self._count_read = io
-        self._mapped = mapped
-        self._unmap_every = unmap_every
+        self._io = io
         self._index_lock = threading.Lock()  # index lookups and updates
         self._write_lock = threading.Lock()  # one writer at a time (appends and compactions)
         self.stats = LogStats()
@@ -293,18 +274,18 @@ class LogTables:
         """Rows of ascending sequence numbers (the caller holds the shared lock)."""
         inverse, keys, seg_of, seg_bounds = t.geo.plan(ordered)
         values: list[bytes] = []
-        step = max(1, self._unmap_every or len(keys))
+        step = max(1, self._io.unmap_every or len(keys))
         for lo in range(0, len(keys), step):  # the mapped pages are dropped between chunks (bounded RSS)
             hi = min(len(keys), lo + step)
             runs = self._readers.runs(hi - lo)
             bounds = sorted({b for b in seg_bounds if lo < b < hi} | {lo, hi} | {lo + r.start for r in runs})
             pieces = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
             got = self._readers.map(functools.partial(self._read_blocks, t, keys, seg_of), pieces)
-            self._count_read(hi - lo)
+            self._io.count_read(hi - lo)
             values.extend(v for run in got for _, v in run)
         if len(values) != len(keys):
             raise StoreCorruptError(f"table {t.spec.name!r}: the log index points at blocks that are missing")
-        return _rows_of_blocks(values, inverse, ordered % t.geo.block, t.spec)
+        return rows_of_blocks(values, inverse, ordered % t.geo.block, t.spec)
 
     def _read_blocks(
         self, t: _Table, keys: list[bytes], seg_of: np.ndarray, run: slice
@@ -373,7 +354,7 @@ class LogTables:
                         )
 
         rows = sum(s[1].shape[0] for s in staged)
-        self._commit(fill, sum(s[2].nbytes + 16 * s[1].shape[0] for s in staged), rows)
+        self._io.commit(fill, sum(s[2].nbytes + 16 * s[1].shape[0] for s in staged), rows)
         for (name, seg), db in opened.items():
             t = self._tables[name]
             t.segs[seg] = db
@@ -385,7 +366,7 @@ class LogTables:
     def _note_pages(self, staged: list[_Staged]) -> None:
         """Note the pages of every ``PROBE_EVERY``-th block just appended (read-ahead hints, see
         :mod:`embedding_store.readahead`); the pages were just written, so the lookups do not fault."""
-        base = None if self._mapped is None else self._mapped.base()
+        base = None if self._io.mapped is None else self._io.mapped.base()
         if base is None:
             return
         probed = 0
@@ -395,25 +376,19 @@ class LogTables:
                     seg = int(seqs[a]) // t.geo.segment
                     first, count = int(seqs[a]) // t.geo.block, -(-(b - a) // t.geo.block)
                     blocks = first + np.arange(0, count, PROBE_EVERY)
-                    got = txn.cursor(db=t.segs[seg]).getmulti(encode_keys(blocks))
-                    if len(got) == blocks.shape[0]:
-                        where = np.fromiter(
-                            (np.frombuffer(v, np.uint8).ctypes.data for _, v in got), np.int64, len(got)
-                        )
-                        t.probes.setdefault(seg, []).append((blocks, (where - base) // PAGE))
-                    probed += len(got)
-        self._count_read(probed)
+                    pages = probed_pages(txn.cursor(db=t.segs[seg]), encode_keys(blocks), base)
+                    if pages is not None:
+                        t.probes.setdefault(seg, []).append((blocks, pages))
+                    probed += blocks.shape[0]
+        self._io.count_read(probed)
 
     def _read_ahead(self, t: _Table, probes: tuple[np.ndarray, np.ndarray] | None, seqs: np.ndarray) -> None:
         """Ask for the pages of the blocks of ascending ``seqs`` ahead of their reads."""
-        if self._mapped is None or probes is None or not seqs.shape[0]:
+        if self._io.mapped is None or probes is None or not seqs.shape[0]:
             return
-        blocks, pages = probes
-        first, last = int(seqs[0]) // t.geo.block, int(seqs[-1]) // t.geo.block
-        lo, hi = np.searchsorted(blocks, [first - PROBE_EVERY, last])
         per_page = max(1, PAGE // (t.geo.block * t.spec.row_bytes))
-        runs = page_runs(blocks[lo : hi + 1], pages[lo : hi + 1], pad=PROBE_EVERY // per_page)
-        self.stats.readahead_bytes += self._mapped.willneed(runs)
+        runs = runs_between(probes, int(seqs[0]) // t.geo.block, int(seqs[-1]) // t.geo.block, per_page)
+        self.stats.readahead_bytes += self._io.mapped.willneed(runs)
 
     def _publish(self, staged: list[_Staged]) -> None:
         """Point the index at committed records and count live rows per segment."""
@@ -458,10 +433,7 @@ class LogTables:
         with self._index_lock:
             alive = t.index.lookup(ids) == seqs
         ids, seqs = ids[alive], seqs[alive]
-        noted = t.probes.pop(seg, None)
-        probes = None
-        if noted:
-            probes = (np.concatenate([b for b, _ in noted]), np.concatenate([p for _, p in noted]))
+        probes = joined(t.probes.pop(seg, []))
         self._read_ahead(t, probes, seqs[:COPY_ROWS])
         for a in range(0, ids.shape[0], COPY_ROWS):
             self._read_ahead(t, probes, seqs[a + COPY_ROWS : a + 2 * COPY_ROWS])  # the next part, meanwhile
@@ -479,7 +451,7 @@ class LogTables:
             for key in run_keys:
                 txn.delete(key, db=t.runs_db)
 
-        self._commit(drop, 0, 0, exclusive=True)  # no reader is on its way to the dropped segment
+        self._io.commit(drop, 0, 0, exclusive=True)  # no reader is on its way to the dropped segment
         with self._index_lock:
             del t.segs[seg], t.records[seg], t.live[seg]
         self.stats.compactions += 1

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -16,12 +17,12 @@ from embedding_store.lmdb_backend import (
     _LOG_MAX_DBS,
     _META_DB,
     _META_KEY,
-    drop_mapped_pages,
     layout_of,
     map_error,
     table_meta,
 )
-from embedding_store.lmdb_log import scan_log
+from embedding_store.lmdb_log import Geometry, replay_runs, rows_of_blocks, runs_name, segment_name
+from embedding_store.readahead import drop_mapped_pages
 
 __all__ = ["scan_snapshot"]
 
@@ -110,3 +111,35 @@ def scan_snapshot(
         raise map_error(err, f"read of snapshot {path} failed") from err
     finally:
         env.close()
+
+
+def scan_log(
+    env: Any, spec: TableSpec, *, segment_rows: int, chunk_rows: int, open_db: Callable[[bytes], Any]
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Rows of ``spec``'s table in a log-layout environment, ascending ids, in chunks of ``chunk_rows``
+    (``open_db(name)``: the named database, read-only, or None when absent)."""
+    runs_db = open_db(runs_name(spec.name))
+    if runs_db is None:
+        return
+    geo = Geometry.of(spec, segment_rows)
+    index, records, _ = replay_runs(env, runs_db, spec, geo)
+    segs = {seg: open_db(segment_name(spec.name, seg)) for seg in records}
+    ids, seqs = index.items()
+    del index
+    order = np.argsort(ids)
+    ids, seqs = ids[order], seqs[order]
+    for a in range(0, ids.shape[0], chunk_rows):
+        part = seqs[a : a + chunk_rows]
+        by_seq = np.argsort(part)
+        ordered = part[by_seq]
+        inverse, keys, seg_of, bounds = geo.plan(ordered)
+        values: list[bytes] = []
+        with env.begin() as txn:
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                db = segs.get(int(seg_of[lo]))
+                values.extend(v for _, v in ([] if db is None else txn.cursor(db=db).getmulti(keys[lo:hi])))
+        if len(values) != len(keys):
+            raise StoreCorruptError(f"table {spec.name!r}: the log's blocks do not match its runs")
+        rows = np.empty((part.shape[0], spec.row_floats), dtype=np.float32)
+        rows[by_seq] = rows_of_blocks(values, inverse, ordered % geo.block, spec)
+        yield ids[a : a + chunk_rows].copy(), rows

@@ -14,10 +14,19 @@ import ctypes
 import mmap
 import os
 import sys
+from typing import Any
 
 import numpy as np
 
-__all__ = ["PAGE", "PROBE_EVERY", "MappedFile", "page_runs"]
+__all__ = [
+    "PAGE",
+    "PROBE_EVERY",
+    "MappedFile",
+    "drop_mapped_pages",
+    "page_runs",
+    "probed_pages",
+    "runs_between",
+]
 
 PAGE = 4096
 # Blocks between two probes: a probe costs ~6 µs (a lookup of a page the append just wrote), ~1 % of an
@@ -25,6 +34,20 @@ PAGE = 4096
 PROBE_EVERY = 64
 # Bytes per WILLNEED call: the kernel reads at most its read-ahead window per call (128 KiB by default).
 _ADVISE_BYTES = 128 << 10
+
+
+def drop_mapped_pages(data_file: str) -> None:
+    """MADV_DONTNEED on this process's mappings of ``data_file``: LMDB maps it read-only and shared
+    (no writemap), so this only drops page-table entries; the next read re-faults from the page cache."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == data_file:
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                libc.madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), mmap.MADV_DONTNEED)
 
 
 def page_runs(blocks: np.ndarray, pages: np.ndarray, pad: int) -> list[tuple[int, int]]:
@@ -49,6 +72,33 @@ def page_runs(blocks: np.ndarray, pages: np.ndarray, pad: int) -> list[tuple[int
         else:
             merged.append((lo, hi))
     return merged
+
+
+def probed_pages(cursor: Any, keys: list[bytes], base: int) -> np.ndarray | None:
+    """The data-file page of each key's value, found by ``cursor`` of a ``buffers=True`` transaction in a
+    map that starts at ``base`` (None when a key is missing)."""
+    got = cursor.getmulti(keys)
+    if len(got) != len(keys):
+        return None
+    where = np.fromiter((np.frombuffer(v, np.uint8).ctypes.data for _, v in got), np.int64, len(got))
+    return (where - base) // PAGE
+
+
+def joined(noted: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """One segment's probes of all its appends as (blocks, pages), or None where it has none."""
+    if not noted:
+        return None
+    return np.concatenate([b for b, _ in noted]), np.concatenate([p for _, p in noted])
+
+
+def runs_between(
+    probes: tuple[np.ndarray, np.ndarray], first: int, last: int, per_page: int
+) -> list[tuple[int, int]]:
+    """Page runs of blocks ``first..last`` from a segment's probes ((blocks, pages), ascending blocks) of
+    blocks ``per_page`` to a page at least."""
+    blocks, pages = probes
+    lo, hi = np.searchsorted(blocks, [first - PROBE_EVERY, last])
+    return page_runs(blocks[lo : hi + 1], pages[lo : hi + 1], pad=PROBE_EVERY // per_page)
 
 
 class MappedFile:

@@ -4,6 +4,7 @@ reopen, compaction with its space bound, reads racing the writer, and a SIGKILL 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -131,7 +132,7 @@ def test_a_large_read_drops_the_mapped_pages_between_chunks(tmp_path: Path) -> N
     log = backend._log
     assert log is not None
     counted: list[int] = []
-    log._count_read = counted.append  # type: ignore[method-assign]
+    log._io = dataclasses.replace(log._io, count_read=counted.append)
     found, got = backend.get_rows("u", ids)
     assert found.all() and np.array_equal(got, rows)
     assert sum(counted) == 500 and max(counted) <= 40, counted

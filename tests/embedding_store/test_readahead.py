@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def test_compaction_asks_for_the_pages_of_the_rows_it_copies(tmp_path: Path) -> 
     log = backend._log
     assert log is not None
     mapped = _Recording(backend._data_file)
-    log._mapped = backend._mapped = mapped  # the map grows during the run: its start is found again
+    backend._mapped = mapped  # the map grows during the run: its start is found again
+    log._io = dataclasses.replace(log._io, mapped=mapped)
     compact, seen = log.compact, []
 
     def watched(table: str, seg: int) -> None:
