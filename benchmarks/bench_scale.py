@@ -14,7 +14,8 @@ pages dropped every 1,024 rows so RSS stays bounded). It reports, as its LAST li
   the device's sectors written, ``/sys/dev/block``, which counts other processes too) and
   ``disk_write_bytes_per_row_byte``: the lesser per byte of rows written back (the final flush included);
 - ``peak_rss_gib`` (``VmHWM`` at the end of the fit and its final flush, and the peak sampled ``VmRSS`` with
-  its anonymous / file split and ``peak_rss_sampled_in``: the fit or the final flush; ``peak_rss_with_check_gib`` includes the check's second index) against
+  its anonymous / file split and ``peak_rss_sampled_in``: the fit or the final flush;
+  ``peak_rss_with_check_gib`` includes the check's second index) against
   ``host_budget_gib``: the host tier's rows plus the device tier's slots (the CPU is the device here),
   and ``rss_limit_gib`` = budget + 3 GiB; ``log_index_gib`` is the id index inside it;
 - ``checked_rows``, ``rows_exact``: ``--check`` (1,000) ids sampled from the training batches before the

@@ -343,7 +343,7 @@ class LmdbBackend:
             # Under the map lock (shared; callers may hold it already): no resize moves the map meanwhile.
             # The map's kept address saves reading /proc/self/maps (~0.75 ms) on every drop.
             with self._rw.shared():
-                if not self._mapped.drop(int(self._env.info()["map_size"])):
+                if not self._mapped.drop(self.map_size_bytes()):
                     drop_mapped_pages(self._data_file)
 
     def num_rows(self, table: str) -> int:

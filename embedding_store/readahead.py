@@ -1,4 +1,5 @@
-"""Read-ahead of a log segment's pages before compaction reads them (docs/tiers.md, "Compaction reads").
+"""Read-ahead of a log segment's pages before compaction reads them (docs/tiers.md, "Write-back by write
+time"), and dropping the pages LMDB's map holds.
 
 LMDB maps the data file for random reads (no OS read-ahead), so a compaction that reads a cold segment
 back takes one 4 KiB page fault per page. A segment is written in a few long runs of consecutive pages
@@ -14,6 +15,7 @@ import ctypes
 import mmap
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,18 +38,30 @@ PROBE_EVERY = 64
 _ADVISE_BYTES = 128 << 10
 
 
-def drop_mapped_pages(data_file: str) -> None:
-    """MADV_DONTNEED on this process's mappings of ``data_file``: LMDB maps it read-only and shared
-    (no writemap), so this only drops page-table entries; the next read re-faults from the page cache."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
+def _mappings(path: str) -> Iterator[tuple[int, int, int]]:
+    """(start, end, file offset) of this process's mappings of ``path`` (``/proc/self/maps``)."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == data_file:
+            if len(fields) == 6 and fields[5].strip() == path:
                 low, high = (int(x, 16) for x in fields[0].split("-"))
-                libc.madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), mmap.MADV_DONTNEED)
+                yield low, high, int(fields[2], 16)
+
+
+def _dontneed(address: int, length: int) -> None:
+    """MADV_DONTNEED on ``[address, address + length)``: for LMDB's read-only shared map (no writemap) this
+    only drops page-table entries; the next read re-faults from the page cache."""
+    ctypes.CDLL(None, use_errno=True).madvise(
+        ctypes.c_void_p(address), ctypes.c_size_t(length), mmap.MADV_DONTNEED
+    )
+
+
+def drop_mapped_pages(data_file: str) -> None:
+    """Drop the pages of every mapping of ``data_file`` in this process (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    for low, high, _ in _mappings(data_file):
+        _dontneed(low, high - low)
 
 
 def page_runs(blocks: np.ndarray, pages: np.ndarray, pad: int) -> list[tuple[int, int]]:
@@ -117,12 +131,7 @@ class MappedFile:
     def base(self) -> int | None:
         """Address of the file's first byte in the map (None where it cannot be told)."""
         if self._base is None and self.enabled:
-            with open("/proc/self/maps") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and fields[5].strip() == self._path and int(fields[2], 16) == 0:
-                        self._base = int(fields[0].split("-")[0], 16)
-                        break
+            self._base = next((low for low, _, offset in _mappings(self._path) if offset == 0), None)
         return self._base
 
     def moved(self) -> None:
@@ -136,8 +145,7 @@ class MappedFile:
         base = self.base()
         if base is None:
             return False
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(base), ctypes.c_size_t(map_bytes), mmap.MADV_DONTNEED)
+        _dontneed(base, map_bytes)
         return True
 
     def willneed(self, runs: list[tuple[int, int]]) -> int:
