@@ -36,8 +36,9 @@ import numpy as np
 
 from embedding_store.config import LmdbOptions, TableSpec
 from embedding_store.errors import StoreCorruptError, StoreError, StoreFullError, StoreIncompatibleError
-from embedding_store.lmdb_log import LogIo, LogTables, encode_keys
+from embedding_store.lmdb_log import LogIo, LogTables
 from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
+from embedding_store.log_format import encode_keys
 from embedding_store.readahead import MappedFile, drop_mapped_pages
 
 __all__ = [

@@ -43,29 +43,32 @@ import numpy as np
 from embedding_store.config import TableSpec
 from embedding_store.errors import StoreCorruptError
 from embedding_store.lmdb_threads import ReaderPool, SharedExclusiveLock
+from embedding_store.log_format import (
+    RUN_IDS,
+    Geometry,
+    blocks_of,
+    encode_keys,
+    rows_of_blocks,
+    runs_name,
+    segment_name,
+    split_segments,
+)
 from embedding_store.log_index import SeqIndex, make_seq_index
-from embedding_store.readahead import PAGE, PROBE_EVERY, MappedFile, joined, probed_pages, runs_between
+from embedding_store.log_live import Liveness
+from embedding_store.readahead import (
+    PAGE,
+    PROBE_EVERY,
+    MappedFile,
+    joined,
+    page_runs,
+    probed_pages,
+)
 
-__all__ = [
-    "RUN_IDS",
-    "LogIo",
-    "LogStats",
-    "LogTables",
-    "Geometry",
-    "replay_runs",
-    "rows_of_blocks",
-    "runs_name",
-    "segment_name",
-]
+__all__ = ["LogIo", "LogStats", "LogTables", "replay_runs"]
 
-# Ids per runs record: 8 + 8 * 240 bytes stays below LMDB's largest in-page value (~2 KiB with 4 KiB
-# pages), so no record needs an overflow page (a search of the free list for contiguous pages).
-RUN_IDS = 240
-# A block's bytes at most: the largest value LMDB keeps inside a 4 KiB leaf page (two blocks a page). A
-# larger block would be an overflow page, which LMDB only points at: py-lmdb then takes its page fault
-# while it copies the value, holding the interpreter lock, so cold reads would fault one at a time, and
-# dropping a segment would read every one of its overflow pages.
-BLOCK_BYTES = 2016
+# Run records between two read-ahead probes (a record takes at most half a page).
+RUN_PROBE_EVERY = 8
+
 # Live rows of a compaction's copy per transaction (bounds the dirty pages and the blocks held).
 COPY_ROWS = 1 << 16
 
@@ -93,61 +96,6 @@ class LogIo:
 
 
 _Staged = tuple["_Table", np.ndarray, np.ndarray, np.ndarray]  # table, (N,) ids, (N, R) rows, (N,) seqs
-
-
-def segment_name(table: str, segment: int) -> bytes:
-    """LMDB name of ``table``'s segment; ``__`` names cannot be table names (TableSpec refuses them)."""
-    return f"__log__/{table}/{segment:012d}".encode()
-
-
-def runs_name(table: str) -> bytes:
-    return f"__log__/{table}/runs".encode()
-
-
-def encode_keys(numbers: np.ndarray) -> list[bytes]:
-    """(N,) int64 numbers >= 0 -> N 8-byte big-endian keys (LMDB's byte order = ascending order)."""
-    # Opaque 8-byte items become bytes objects in numpy's C loop: no Python loop over the numbers.
-    return np.ascontiguousarray(numbers, dtype=">u8").view("V8").tolist()
-
-
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """Where a table's sequence number lives: block ``seq // block``, segment ``seq // segment``."""
-
-    block: int  # rows per block
-    segment: int  # sequence numbers per segment (a multiple of ``block``)
-
-    @staticmethod
-    def of(spec: TableSpec, segment_rows: int) -> Geometry:
-        block = max(1, BLOCK_BYTES // spec.row_bytes)
-        return Geometry(block=block, segment=block * max(1, segment_rows // block))
-
-    def plan(self, ordered: np.ndarray) -> tuple[np.ndarray, list[bytes], np.ndarray, list[int]]:
-        """For ascending sequence numbers: the index of each one's block among the distinct blocks, the
-        blocks' keys, each block's segment, and where a new segment starts in the keys (with 0 and the end).
-        """
-        blocks, inverse = np.unique(ordered // self.block, return_inverse=True)
-        seg_of = blocks * self.block // self.segment
-        return (
-            inverse,
-            encode_keys(blocks),
-            seg_of,
-            [0, *(np.flatnonzero(np.diff(seg_of)) + 1).tolist(), len(blocks)],
-        )
-
-
-def rows_of_blocks(
-    values: list[bytes], inverse: np.ndarray, slots: np.ndarray, spec: TableSpec
-) -> np.ndarray:
-    """Rows ``slots`` of blocks ``inverse`` (indexes into ``values``) as an (N, R) float32 array."""
-    lens = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-    rows_in = lens // spec.row_bytes
-    if (lens % spec.row_bytes).any() or (slots >= rows_in[inverse]).any():
-        raise StoreCorruptError(f"table {spec.name!r}: a log block of unexpected size")
-    start = np.zeros(len(values), dtype=np.int64)
-    np.cumsum(rows_in[:-1], out=start[1:])
-    flat = np.frombuffer(b"".join(values), dtype=np.float32).reshape(-1, spec.row_floats)
-    return flat[start[inverse] + slots]
 
 
 def replay_runs(
@@ -198,14 +146,14 @@ class _Table:
     geo: Geometry
     index: SeqIndex
     runs_db: Any
+    alive: Liveness  # records written into each segment, and which of them the index points at
     segs: dict[int, Any] = field(default_factory=dict)  # segment -> LMDB database
-    records: dict[int, int] = field(default_factory=dict)  # segment -> rows written into it
-    live: dict[int, int] = field(default_factory=dict)  # segment -> rows the index points at
     next_seq: int = 0  # block-aligned
     version: int = 0  # bumped at every publication (invalidates the sorted ids of scan)
     sorted_ids: tuple[int, np.ndarray] | None = None
-    # segment -> (probed block numbers, their pages in the data file) of each append into it
-    probes: dict[int, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    # (segment, 0) -> (probed block numbers, their pages in the data file) of each append into it;
+    # (segment, 1) -> (probed run records' numbers, pages) of the segment's run records
+    probes: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
 
 class LogTables:
@@ -243,11 +191,9 @@ class LogTables:
         geo = Geometry.of(spec, self._segment_rows)
         runs_db = self._env.open_db(runs_name(spec.name))
         index, records, end = replay_runs(self._env, runs_db, spec, geo)
-        t = _Table(spec=spec, geo=geo, index=index, runs_db=runs_db, records=records, next_seq=end)
-        _, seqs = t.index.items()
-        segs, counts = np.unique(seqs // geo.segment, return_counts=True)
-        t.live = {k: 0 for k in t.records} | dict(zip(segs.tolist(), counts.tolist(), strict=True))
-        for seg in t.records:
+        alive = Liveness(geo.segment, records, index.items()[1])
+        t = _Table(spec=spec, geo=geo, index=index, runs_db=runs_db, alive=alive, next_seq=end)
+        for seg in records:
             t.segs[seg] = self._env.open_db(segment_name(spec.name, seg), create=False)
         return t
 
@@ -338,13 +284,13 @@ class LogTables:
             opened.clear()  # a transaction run again after a map resize opens its new segments again
             for t, ids, rows, seqs in staged:
                 seq_keys = encode_keys(seqs)
-                for a, b in _split(seqs, t.geo.segment):
+                for a, b in split_segments(seqs, t.geo.segment):
                     seg = int(seqs[a]) // t.geo.segment
                     db = t.segs.get(seg) or opened.get((t.spec.name, seg))
                     if db is None:  # a new segment: created in this transaction, usable after its commit
                         db = self._env.open_db(segment_name(t.spec.name, seg), txn=txn, create=True)
                         opened[(t.spec.name, seg)] = db
-                    txn.cursor(db=db).putmulti(_blocks(rows[a:b], int(seqs[a]), t.geo.block), append=True)
+                    txn.cursor(db=db).putmulti(blocks_of(rows[a:b], int(seqs[a]), t.geo.block), append=True)
                     for r in range(a, b, RUN_IDS):
                         txn.put(
                             seq_keys[r],
@@ -358,37 +304,45 @@ class LogTables:
         for (name, seg), db in opened.items():
             t = self._tables[name]
             t.segs[seg] = db
-            t.records.setdefault(seg, 0)
-            t.live.setdefault(seg, 0)
+            t.alive.open(seg)
         self._publish(staged)
         self._note_pages(staged)
 
     def _note_pages(self, staged: list[_Staged]) -> None:
-        """Note the pages of every ``PROBE_EVERY``-th block just appended (read-ahead hints, see
-        :mod:`embedding_store.readahead`); the pages were just written, so the lookups do not fault."""
+        """Note the pages of every ``PROBE_EVERY``-th block and ``RUN_PROBE_EVERY``-th run record just
+        appended (read-ahead hints, :mod:`embedding_store.readahead`); they were just written: no faults."""
         base = None if self._io.mapped is None else self._io.mapped.base()
         if base is None:
             return
         probed = 0
         with self._rw.shared(), self._env.begin(buffers=True) as txn:
             for t, _, _, seqs in staged:
-                for a, b in _split(seqs, t.geo.segment):
+                for a, b in split_segments(seqs, t.geo.segment):
                     seg = int(seqs[a]) // t.geo.segment
                     first, count = int(seqs[a]) // t.geo.block, -(-(b - a) // t.geo.block)
-                    blocks = first + np.arange(0, count, PROBE_EVERY)
-                    pages = probed_pages(txn.cursor(db=t.segs[seg]), encode_keys(blocks), base)
-                    if pages is not None:
-                        t.probes.setdefault(seg, []).append((blocks, pages))
-                    probed += blocks.shape[0]
+                    blocks, runs = (
+                        first + np.arange(0, count, PROBE_EVERY),
+                        seqs[a : b : RUN_IDS * RUN_PROBE_EVERY],
+                    )
+                    for kind, db, numbers in ((0, t.segs[seg], blocks), (1, t.runs_db, runs)):
+                        pages = probed_pages(txn.cursor(db=db), encode_keys(numbers), base)
+                        if pages is not None:  # runs: numbered in records, consecutive within an append
+                            t.probes.setdefault((seg, kind), []).append(
+                                (numbers // (kind * RUN_IDS or 1), pages)
+                            )
+                    probed += blocks.shape[0] + runs.shape[0]
         self._io.count_read(probed)
 
-    def _read_ahead(self, t: _Table, probes: tuple[np.ndarray, np.ndarray] | None, seqs: np.ndarray) -> None:
-        """Ask for the pages of the blocks of ascending ``seqs`` ahead of their reads."""
-        if self._io.mapped is None or probes is None or not seqs.shape[0]:
-            return
+    def _read_ahead(self, t: _Table, seg: int) -> None:
+        """Ask for the page runs of segment ``seg``'s appends (its blocks and its run records) ahead of
+        compaction's reads, in the background."""
         per_page = max(1, PAGE // (t.geo.block * t.spec.row_bytes))
-        runs = runs_between(probes, int(seqs[0]) // t.geo.block, int(seqs[-1]) // t.geo.block, per_page)
-        self.stats.readahead_bytes += self._io.mapped.willneed(runs)
+        runs: list[tuple[int, int]] = []
+        for kind, pad in ((1, RUN_PROBE_EVERY), (0, PROBE_EVERY // per_page)):  # the run records first:
+            probes = joined(t.probes.pop((seg, kind), []))  # compaction reads them before the blocks
+            runs += [] if probes is None else page_runs(*probes, pad=pad)
+        if self._io.mapped is not None:
+            self.stats.readahead_bytes += self._io.mapped.willneed(runs)
 
     def _publish(self, staged: list[_Staged]) -> None:
         """Point the index at committed records and count live rows per segment."""
@@ -397,25 +351,19 @@ class LogTables:
                 old = t.index.upsert(ids, seqs)
                 t.version += 1
                 t.next_seq = -(-(int(seqs[-1]) + 1) // t.geo.block) * t.geo.block
-                segs, counts = np.unique(old[old >= 0] // t.geo.segment, return_counts=True)
-                for seg, c in zip(segs.tolist(), counts.tolist(), strict=True):
-                    t.live[seg] -= c
-                for a, b in _split(seqs, t.geo.segment):
-                    seg = int(seqs[a]) // t.geo.segment
-                    t.records[seg] += b - a
-                    t.live[seg] += b - a
+                t.alive.publish(old, seqs)
 
     # ------------------------------------------------------------------------------------ compaction
     def _victim(self, t: _Table) -> int | None:
         """The sealed segment to compact now, or None."""
-        head = t.next_seq // t.geo.segment
-        sealed = [seg for seg in t.records if seg < head and t.records[seg] > t.live[seg]]
+        head, records, live = t.next_seq // t.geo.segment, t.alive.records, t.alive.live
+        sealed = [seg for seg in records if seg < head and records[seg] > live[seg]]
         if not sealed:
             return None
-        seg = min(sealed, key=lambda s: t.live[s] / t.records[s])
-        if t.records[seg] - t.live[seg] >= self._compact_at * t.records[seg]:
+        seg = min(sealed, key=lambda s: live[s] / records[s])
+        if records[seg] - live[seg] >= self._compact_at * records[seg]:
             return seg
-        total = sum(t.records.values())
+        total = sum(records.values())
         if total - len(t.index) >= self._compact_at * total:  # the log as a whole: its deadest segment
             return seg
         return None
@@ -429,14 +377,14 @@ class LogTables:
     def compact(self, table: str, seg: int) -> None:
         """Copy segment ``seg``'s live rows to the head, then drop it with its runs."""
         t = self._tables[table]
+        self._read_ahead(t, seg)
         run_keys, ids, seqs = self._runs_of(t, seg)
-        with self._index_lock:
-            alive = t.index.lookup(ids) == seqs
-        ids, seqs = ids[alive], seqs[alive]
-        probes = joined(t.probes.pop(seg, []))
-        self._read_ahead(t, probes, seqs[:COPY_ROWS])
+        live = t.alive.live_seqs(seg)  # the writer's own account: no index lookups
+        at = np.minimum(np.searchsorted(seqs, live), max(0, seqs.shape[0] - 1))
+        if live.shape[0] and not np.array_equal(seqs[at], live):
+            raise StoreCorruptError(f"table {table!r}: live records of log segment {seg} have no run")
+        ids, seqs = ids[at], live
         for a in range(0, ids.shape[0], COPY_ROWS):
-            self._read_ahead(t, probes, seqs[a + COPY_ROWS : a + 2 * COPY_ROWS])  # the next part, meanwhile
             with self._rw.shared():
                 rows = self._read(t, seqs[a : a + COPY_ROWS])
             first = t.next_seq
@@ -453,7 +401,8 @@ class LogTables:
 
         self._io.commit(drop, 0, 0, exclusive=True)  # no reader is on its way to the dropped segment
         with self._index_lock:
-            del t.segs[seg], t.records[seg], t.live[seg]
+            del t.segs[seg]
+            t.alive.drop(seg)
         self.stats.compactions += 1
 
     def _runs_of(self, t: _Table, seg: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
@@ -476,25 +425,4 @@ class LogTables:
     def space(self, table: str) -> tuple[int, int]:
         """(rows in the log, live rows) of ``table``."""
         t = self._tables[table]
-        return sum(t.records.values()), len(t.index)
-
-
-def _split(seqs: np.ndarray, segment: int) -> list[tuple[int, int]]:
-    """[a, b) ranges of ``seqs`` (consecutive numbers) that stay inside one segment."""
-    out, a, n = [], 0, seqs.shape[0]
-    while a < n:
-        b = min(n, a + (int(seqs[a]) // segment + 1) * segment - int(seqs[a]))
-        out.append((a, b))
-        a = b
-    return out
-
-
-def _blocks(rows: np.ndarray, first_seq: int, block: int) -> list[tuple[bytes, bytes]]:
-    """(block key, packed rows) of ``rows`` numbered from the block-aligned ``first_seq``."""
-    n, row_bytes = rows.shape[0], rows.shape[1] * 4
-    full = n // block
-    flat = rows.reshape(-1)
-    values = flat[: full * block * rows.shape[1]].view(f"V{block * row_bytes}").tolist() if full else []
-    if full * block < n:
-        values.append(rows[full * block :].tobytes())
-    return list(zip(encode_keys(first_seq // block + np.arange(len(values))), values, strict=True))
+        return t.alive.totals()[0], len(t.index)

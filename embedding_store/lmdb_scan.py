@@ -21,7 +21,8 @@ from embedding_store.lmdb_backend import (
     map_error,
     table_meta,
 )
-from embedding_store.lmdb_log import Geometry, replay_runs, rows_of_blocks, runs_name, segment_name
+from embedding_store.lmdb_log import replay_runs
+from embedding_store.log_format import Geometry, rows_of_blocks, runs_name, segment_name
 from embedding_store.readahead import drop_mapped_pages
 
 __all__ = ["scan_snapshot"]

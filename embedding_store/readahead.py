@@ -15,6 +15,7 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +28,6 @@ __all__ = [
     "drop_mapped_pages",
     "page_runs",
     "probed_pages",
-    "runs_between",
 ]
 
 PAGE = 4096
@@ -71,17 +71,19 @@ def page_runs(blocks: np.ndarray, pages: np.ndarray, pad: int) -> list[tuple[int
     are in one run; each run is widened by ``pad`` pages at both ends for the blocks beyond its end
     probes, and runs that then overlap are merged.
     """
-    if blocks.shape[0] == 0:
-        return []
     breaks = np.flatnonzero(np.abs(np.diff(pages)) > np.diff(blocks)) + 1
     runs = []
-    for part in np.split(np.arange(blocks.shape[0]), breaks):
+    for part in np.split(np.arange(blocks.shape[0]), breaks) if blocks.shape[0] else []:
         lo, hi = int(pages[part].min()), int(pages[part].max())
         runs.append((max(0, lo - pad), hi + pad + 1))
-    runs.sort()
-    merged = [runs[0]]
-    for lo, hi in runs[1:]:
-        if lo <= merged[-1][1]:
+    return _merged(runs)
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Page runs ``[first, end)`` sorted, with overlapping or touching runs merged."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(runs):
+        if merged and lo <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
         else:
             merged.append((lo, hi))
@@ -105,14 +107,15 @@ def joined(noted: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.n
     return np.concatenate([b for b, _ in noted]), np.concatenate([p for _, p in noted])
 
 
-def runs_between(
-    probes: tuple[np.ndarray, np.ndarray], first: int, last: int, per_page: int
-) -> list[tuple[int, int]]:
-    """Page runs of blocks ``first..last`` from a segment's probes ((blocks, pages), ascending blocks) of
-    blocks ``per_page`` to a page at least."""
-    blocks, pages = probes
-    lo, hi = np.searchsorted(blocks, [first - PROBE_EVERY, last])
-    return page_runs(blocks[lo : hi + 1], pages[lo : hi + 1], pad=PROBE_EVERY // per_page)
+def _advise(fd: int, runs: list[tuple[int, int]]) -> None:
+    """``POSIX_FADV_WILLNEED`` over page runs in ``_ADVISE_BYTES`` calls (each returns once its reads are
+    queued, so a long request takes about as long as the disk needs to read it)."""
+    try:
+        for lo, hi in runs:
+            for start in range(lo * PAGE, hi * PAGE, _ADVISE_BYTES):
+                os.posix_fadvise(fd, start, min(_ADVISE_BYTES, hi * PAGE - start), os.POSIX_FADV_WILLNEED)
+    except OSError:  # a hint: a failed one costs speed only
+        return
 
 
 class MappedFile:
@@ -126,6 +129,7 @@ class MappedFile:
         self._path = path
         self._fd: int | None = None
         self._base: int | None = None
+        self._ahead: threading.Thread | None = None
         self.enabled = sys.platform.startswith("linux") and hasattr(os, "posix_fadvise")
 
     def base(self) -> int | None:
@@ -149,21 +153,26 @@ class MappedFile:
         return True
 
     def willneed(self, runs: list[tuple[int, int]]) -> int:
-        """Ask the kernel to read page runs ``[first, end)`` into the page cache (it returns before the
-        reads finish); returns the bytes asked for."""
+        """Ask the kernel to read page runs ``[first, end)`` into the page cache, from a background thread
+        (queuing reads blocks while the disk's queue is full; the caller goes on meanwhile) once the
+        previous request is queued; returns the bytes asked for."""
         if not self.enabled or not runs:
             return 0
+        self.wait()
         if self._fd is None:
             self._fd = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        asked = 0
-        for lo, hi in runs:
-            for start in range(lo * PAGE, hi * PAGE, _ADVISE_BYTES):
-                n = min(_ADVISE_BYTES, hi * PAGE - start)
-                os.posix_fadvise(self._fd, start, n, os.POSIX_FADV_WILLNEED)
-                asked += n
-        return asked
+        self._ahead = threading.Thread(target=_advise, args=(self._fd, runs), name="readahead", daemon=True)
+        self._ahead.start()
+        return sum(hi - lo for lo, hi in runs) * PAGE
+
+    def wait(self) -> None:
+        """Until the last request is queued."""
+        if self._ahead is not None:
+            self._ahead.join()
+            self._ahead = None
 
     def close(self) -> None:
+        self.wait()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

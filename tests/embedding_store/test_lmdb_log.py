@@ -16,8 +16,10 @@ import pytest
 
 from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, TableSpec
 from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.lmdb_log import replay_runs
 from embedding_store.lmdb_scan import scan_snapshot
 from embedding_store.log_index import DenseSeqIndex, HashSeqIndex, SortedSeqIndex
+from embedding_store.log_live import Liveness
 
 sys.path.insert(0, str(Path(__file__).parent))
 import log_child  # noqa: E402
@@ -92,6 +94,52 @@ def _random_writes(rng: np.random.Generator, oracle: _Oracle, backend: LmdbBacke
                 oracle.check(backend, spec.name, q.astype(np.int64))
 
 
+def _check_liveness(backend: LmdbBackend) -> None:
+    """The writer's live bits and counts equal what the index and the runs say (the oracle)."""
+    log = backend._log
+    assert log is not None
+    for t in log._tables.values():
+        _, records, _ = replay_runs(log._env, t.runs_db, t.spec, t.geo)
+        assert t.alive.records == records
+        seqs = np.sort(t.index.items()[1])
+        for seg in t.alive.records:
+            want = seqs[(seqs >= seg * t.geo.segment) & (seqs < (seg + 1) * t.geo.segment)]
+            assert np.array_equal(t.alive.live_seqs(seg), want), seg
+            assert t.alive.live[seg] == want.shape[0]
+
+
+def test_liveness_follows_a_set_oracle() -> None:
+    rng = np.random.default_rng(3)
+    segment, owner, live = 100, {}, set()  # owner: id -> its newest record
+    alive, seq = Liveness(segment, {}, np.empty(0, np.int64)), 0
+    for _ in range(300):
+        ids = np.unique(rng.integers(0, 400, size=int(rng.integers(1, 60))))
+        seqs = np.arange(seq, seq + ids.shape[0], dtype=np.int64)
+        for seg in np.unique(seqs // segment).tolist():
+            alive.open(seg)
+        old = np.array([owner.get(i, -1) for i in ids.tolist()], dtype=np.int64)
+        alive.publish(old, seqs)
+        live -= set(old.tolist())
+        live |= set(seqs.tolist())
+        owner.update(zip(ids.tolist(), seqs.tolist(), strict=True))
+        seq += ids.shape[0] + int(rng.integers(0, 5))  # block padding: numbers that are no record
+        if rng.random() < 0.1:  # a drop of a fully dead segment (what compaction leaves)
+            dead = [s for s in alive.records if s < seq // segment and alive.live[s] == 0]
+            for s in dead:
+                alive.drop(s)
+    for seg in alive.records:
+        want = sorted(x for x in live if x // segment == seg)
+        assert alive.live_seqs(seg).tolist() == want
+        assert alive.live[seg] == len(want)
+    assert alive.totals()[1] == len(live)
+    rebuilt = Liveness(segment, dict(alive.records), np.array(sorted(live), dtype=np.int64))
+    for seg in alive.records:
+        assert np.array_equal(rebuilt.live_seqs(seg), alive.live_seqs(seg))
+    with pytest.raises(RuntimeError, match="not live"):  # a record that dies twice is a writer bug
+        alive.publish(np.array([max(live)], dtype=np.int64), np.empty(0, np.int64))
+        alive.publish(np.array([max(live)], dtype=np.int64), np.empty(0, np.int64))
+
+
 @pytest.mark.parametrize("threads", [1, 16])
 def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path, threads: int) -> None:
     rng = np.random.default_rng(0)
@@ -99,6 +147,7 @@ def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path,
     backend = _open(tmp_path / "env", read_threads=threads, read_split="always")
     _random_writes(rng, oracle, backend, 120)
     oracle.check_all(backend)
+    _check_liveness(backend)
     log = backend._log
     assert log is not None and log.stats.compactions > 10 and log.stats.copied_rows > 0
     for spec in (BOUNDED, UNBOUNDED):  # compaction bounds the space: live / (1 - 0.5), plus open segments
@@ -109,6 +158,7 @@ def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path,
     oracle.check_all(backend)
     _random_writes(rng, oracle, backend, 30)
     oracle.check_all(backend)
+    _check_liveness(backend)
     backend.close()
     for spec in (BOUNDED, UNBOUNDED):  # the read-only scan of a closed store sees the same rows
         chunks = list(scan_snapshot(tmp_path / "env", spec, seed=0, chunk_rows=29))

@@ -11,7 +11,7 @@ import pytest
 
 from embedding_store import LmdbOptions, OptimizerKind, TableSpec
 from embedding_store.lmdb_backend import LmdbBackend
-from embedding_store.lmdb_log import encode_keys
+from embedding_store.log_format import encode_keys
 from embedding_store.readahead import PAGE, MappedFile, page_runs
 
 SPEC = TableSpec(name="t", dim=64, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)  # 7 rows a block
