@@ -174,9 +174,10 @@ class LmdbOptions:
             transaction (docs/tiers.md, "Write-back by write time").
         log_segment_rows: records per segment of a new log-layout store, the unit that compaction copies
             and drops.
-        log_compact_at: dead share of a full segment at which its live rows are copied to the head and it
-            is dropped (also of the whole log, which then compacts its deadest segment). Higher: less
-            copying, more disk (at 0.7, ~1.7x the live rows under uniform updates; at most 1/(1 - 0.7)).
+        log_compact_at: dead share of the whole log at which compaction runs: the deadest sealed
+            segment's live rows are copied to the head and it is dropped, until the log is less dead. The
+            log then holds at most 1 / (1 - log_compact_at) x the live rows (1.67x at the default 0.4).
+            Higher: less copying per written row, more disk.
     """
 
     initial_map_size_bytes: int = 1 << 30
@@ -193,7 +194,7 @@ class LmdbOptions:
     read_split: str = "auto"
     layout: str = "log"
     log_segment_rows: int = 1 << 20
-    log_compact_at: float = 0.7
+    log_compact_at: float = 0.4
 
     def __post_init__(self) -> None:
         if not isinstance(self.initial_map_size_bytes, int) or self.initial_map_size_bytes < 1 << 16:

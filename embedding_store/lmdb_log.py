@@ -11,9 +11,11 @@ page (docs/tiers.md, "Write-back by write time"). In this layout a table's rows 
   value: up to ``RUN_IDS`` int64 ids, small enough to stay inside a page), in the same transaction;
 - :mod:`embedding_store.log_index` maps each id to the sequence number of its newest record. It lives in
   RAM and is rebuilt on open from the runs (oldest first, so the newest record of an id wins);
-- a sealed segment (not the one appended to) whose records are ``compact_at`` dead, or the deadest one
-  when the whole log is, is compacted: its live rows are copied to the head (new numbers), then the
-  segment and its runs are dropped.
+- while the log's records are ``compact_at`` dead, its deadest sealed segment (not the one appended to)
+  is compacted: its live rows are copied to the head (new numbers), then the segment and its runs are
+  dropped. Compaction is driven by the space, not by each segment's own dead share: under uniform
+  updates the segments of one fill all reach any per-segment threshold at once (a burst of copies),
+  while the log as a whole dies steadily, and a segment compacted later is deader (cheaper).
 
 Publication order keeps every read exact while the writer runs. The index moves to new records only
 after their transaction committed, so a reader that looks up an id finds a committed record. A reader
@@ -162,8 +164,8 @@ class LogTables:
     Args:
         env: the open environment (``max_dbs`` large enough for every table's segments).
         tables: the tables.
-        layout: (segment rows of the store, ``compact_at``: dead share of a sealed segment at which it is
-            compacted, in (0, 1)).
+        layout: (segment rows of the store, ``compact_at``: dead share of the log at which its deadest
+            sealed segment is compacted, in (0, 1)).
         locks: the backend's shared/exclusive lock (shared: reads and commits; exclusive: map resize,
             segment drops) and its reader pool.
         io: how it commits and reads (:class:`LogIo`).
@@ -355,18 +357,13 @@ class LogTables:
 
     # ------------------------------------------------------------------------------------ compaction
     def _victim(self, t: _Table) -> int | None:
-        """The sealed segment to compact now, or None."""
+        """The sealed segment to compact now (the deadest, while the log is ``compact_at`` dead), or None."""
         head, records, live = t.next_seq // t.geo.segment, t.alive.records, t.alive.live
-        sealed = [seg for seg in records if seg < head and records[seg] > live[seg]]
-        if not sealed:
-            return None
-        seg = min(sealed, key=lambda s: live[s] / records[s])
-        if records[seg] - live[seg] >= self._compact_at * records[seg]:
-            return seg
         total = sum(records.values())
-        if total - len(t.index) >= self._compact_at * total:  # the log as a whole: its deadest segment
-            return seg
-        return None
+        if total - len(t.index) < self._compact_at * total:
+            return None
+        sealed = [seg for seg in records if seg < head and records[seg] > live[seg]]
+        return min(sealed, key=lambda s: live[s] / records[s]) if sealed else None
 
     def _compact_while_needed(self, t: _Table) -> None:
         while (seg := self._victim(t)) is not None:

@@ -140,6 +140,31 @@ def test_liveness_follows_a_set_oracle() -> None:
         alive.publish(np.array([max(live)], dtype=np.int64), np.empty(0, np.int64))
 
 
+def test_compaction_runs_when_the_log_is_compact_at_dead(tmp_path: Path) -> None:
+    backend = _open(tmp_path / "env")  # 50-row segments, compact_at 0.5
+    log = backend._log
+    assert log is not None
+    ids = np.arange(2_000, dtype=np.int64)
+    rows = np.zeros((ids.shape[0], UNBOUNDED.row_floats), dtype=np.float32)
+    backend.put_rows([("u", ids, rows)])
+    rng, oracle = np.random.default_rng(1), dict.fromkeys(ids.tolist(), 0.0)
+    for step in range(1, 400):
+        pick = np.unique(rng.integers(0, ids.shape[0], size=40))
+        before = log.stats.compactions
+        backend.put_rows([("u", pick, np.full((pick.shape[0], UNBOUNDED.row_floats), step, np.float32))])
+        oracle.update(dict.fromkeys(pick.tolist(), float(step)))
+        records, live = log.space("u")
+        if log.stats.compactions == before:  # none ran: the log was less than half dead before this write
+            assert records - pick.shape[0] - live < 0.5 * (records - pick.shape[0]) + 50
+        else:  # only as much as the space needs: it stopped once the log was less than half dead
+            assert records - live >= 0.5 * records - 60
+        assert records - live < 0.5 * records + 100  # never more dead than compact_at, plus the open head
+    assert log.stats.compactions > 20
+    found, got = backend.get_rows("u", ids)
+    assert found.all() and got[:, 0].tolist() == [oracle[i] for i in ids.tolist()]
+    backend.close()
+
+
 @pytest.mark.parametrize("threads", [1, 16])
 def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path, threads: int) -> None:
     rng = np.random.default_rng(0)
