@@ -322,16 +322,16 @@ class LogTables:
                 for a, b in split_segments(seqs, t.geo.segment):
                     seg = int(seqs[a]) // t.geo.segment
                     first, count = int(seqs[a]) // t.geo.block, -(-(b - a) // t.geo.block)
-                    blocks, runs = (
-                        first + np.arange(0, count, PROBE_EVERY),
-                        seqs[a : b : RUN_IDS * RUN_PROBE_EVERY],
-                    )
-                    for kind, db, numbers in ((0, t.segs[seg], blocks), (1, t.runs_db, runs)):
-                        pages = probed_pages(txn.cursor(db=db), encode_keys(numbers), base)
-                        if pages is not None:  # runs: numbered in records, consecutive within an append
-                            t.probes.setdefault((seg, kind), []).append(
-                                (numbers // (kind * RUN_IDS or 1), pages)
-                            )
+                    blocks = first + np.arange(0, count, PROBE_EVERY)
+                    runs = seqs[a : b : RUN_IDS * RUN_PROBE_EVERY]  # the keys of every 8th run record
+                    # (kind, database, keys, numbering: blocks by number, run records by their ordinal)
+                    for kind, db, keys, numbers in (
+                        (0, t.segs[seg], blocks, blocks),
+                        (1, t.runs_db, runs, runs // RUN_IDS),
+                    ):
+                        pages = probed_pages(txn.cursor(db=db), encode_keys(keys), base)
+                        if pages is not None:
+                            t.probes.setdefault((seg, kind), []).append((numbers, pages))
                     probed += blocks.shape[0] + runs.shape[0]
         self._io.count_read(probed)
 

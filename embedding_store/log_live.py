@@ -90,9 +90,6 @@ class Liveness:
         """(records, live records) over all segments."""
         return sum(self.records.values()), sum(self.live.values())
 
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._bits.values())
-
     # -------------------------------------------------------------------------------------- internals
     def _for_segments(self, ordered: np.ndarray, apply: Callable[[int, np.ndarray], None]) -> None:
         """Call ``apply(seg, part)`` for each segment's part of ascending ``ordered``."""
@@ -116,6 +113,5 @@ class Liveness:
         self.live[seg] -= cleared
 
     def _set_new(self, seg: int, part: np.ndarray) -> None:
-        _set(self._bits[seg], part, seg * self._segment)
+        self._set_live(seg, part)
         self.records[seg] += part.shape[0]
-        self.live[seg] += part.shape[0]
