@@ -136,11 +136,12 @@ class HostTier(_Positions):
         if need > 0:
             cand = self.occupied()
             victims = self.policy.victims(need, cand, self.future_mask(cand, future))
-            victim_ids = self.ids[victims]
-            victim_dirty = self.dirty[victims]
-            victim_rows = self.take(victims)
-            spill_ids.append(victim_ids[victim_dirty])
-            spill_rows.append(victim_rows[victim_dirty])
+            # Only the dirty victims' rows are copied out (once): clean ones equal their LMDB copy.
+            dirty_victims = victims[self.dirty[victims]]
+            spill_ids.append(self.ids[dirty_victims])
+            spill_rows.append(self.gather(dirty_victims))
+            self.dirty[victims] = False
+            self.deallocate(victims)
         if ids.shape[0]:
             pos = self.allocate(ids)
             if pos[-1] - pos[0] == pos.shape[0] - 1 and (np.diff(pos) == 1).all():  # one contiguous block
@@ -151,6 +152,8 @@ class HostTier(_Positions):
         evicted = max(need, 0)
         if not spill_ids:
             return np.empty(0, dtype=np.int64), np.empty((0, self.arena.shape[1]), np.float32), evicted
+        if len(spill_ids) == 1:  # the usual case: no second copy of the rows
+            return spill_ids[0], spill_rows[0], evicted
         return np.concatenate(spill_ids), np.concatenate(spill_rows), evicted
 
     def dirty_positions(self) -> np.ndarray:
