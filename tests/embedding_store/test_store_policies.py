@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedding_store import PolicyKind
-from embedding_store.policies import make_policy
+from embedding_store.policies import _kth, make_policy
 
 ALL = list(PolicyKind)
 
@@ -151,3 +151,22 @@ def test_large_candidate_sets_give_the_smallest_keys_ties_by_order(kind) -> None
         want = np.sort(candidates[np.lexsort((np.arange(candidates.shape[0]), key))[:n]])
         got = policy.victims(n, candidates, future)
         np.testing.assert_array_equal(np.sort(got), want, err_msg=f"trial {trial}")
+
+
+def test_kth_smallest_key_equals_a_sort() -> None:
+    """The n-th smallest eviction key, counted when the smallest keys lie within a narrow range of ticks
+    and partitioned when they do not (far-apart keys; announced rows' high bits), equals a full sort's."""
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        size = int(rng.integers(1, 5_000))
+        if trial % 3 == 0:  # batch ticks with many ties: the counting path
+            key = rng.integers(0, 2 * size, size=size)
+        elif trial % 3 == 1:  # far apart: the partition
+            key = rng.integers(0, 1 << 61, size=size)
+        else:  # LOOKAHEAD-like: unneeded ticks, then announced rows above bit 61
+            key = 1_000 + rng.integers(0, 300, size=size)
+            needed = rng.random(size) < 0.4
+            key[needed] |= (rng.integers(0, 5, size=int(needed.sum())) << 40) | (1 << 61)
+        key = key.astype(np.int64)
+        n = int(rng.integers(1, size + 1))
+        assert _kth(key, n) == np.sort(key)[n - 1], f"trial {trial}"
