@@ -219,46 +219,66 @@ def _key_at(lo, hi, i):  # type: ignore[no-untyped-def] # pragma: no cover
     return (np.uint64(hi[i]) << _U32) | np.uint64(lo[i])
 
 
-@numba.njit(nogil=True, cache=True)
-def _find(lo, hi, off, shift, m):  # type: ignore[no-untyped-def] # pragma: no cover
-    """Position of mixed key ``m`` among the sorted entries, or -1."""
-    b = m >> shift
-    r = m & ((_ONE << shift) - _ONE)
-    a, z = np.int64(off[b]), np.int64(off[b + _ONE])
-    end = z
-    while a < z:
-        mid = (a + z) >> 1
-        if _key_at(lo, hi, mid) < r:
-            a = mid + 1
-        else:
-            z = mid
-    if a < end and _key_at(lo, hi, a) == r:
-        return a
-    return -1
-
-
 def _sigs(args: str) -> list[str]:
     """The signature for either dtype of the sequence numbers (``{s}``)."""
     return [f"void(uint32[:], uint16[:], {s}[:], uint32[:], uint64, {args})" for s in ("uint32", "int64")]
 
 
+_GROUP = 32  # ids located together by _find_group
+
+
+@numba.njit(nogil=True, cache=True)
+def _find_group(lo, hi, off, shift, ids, g, pos, scratch):  # type: ignore[no-untyped-def] # pragma: no cover
+    """``pos[k]`` = the position of ``ids[g + k]`` among the sorted entries, or -1, for k < len(pos) (the
+    caller trims the group at the end of ``ids``; ``scratch``: (2, >= len(pos)) uint64). Each id's mixed
+    key picks a directory bucket and is searched for inside it by bisection, in two passes over the
+    group: first every id's bucket, then the searches. The loads of the first pass do not
+    depend on one another, so their cache misses overlap: ~145 against ~225 ns an id at 40 M entries
+    (an update; the directory and the entries are far larger than the caches)."""
+    mask = (_ONE << shift) - _ONE
+    rest, bound = scratch[0], scratch[1]
+    for k in range(pos.shape[0]):
+        m = np.uint64(ids[g + k]) * _MUL
+        b = m >> shift
+        rest[k] = m & mask
+        pos[k] = np.int64(off[b])
+        bound[k] = off[b + _ONE]
+    for k in range(pos.shape[0]):
+        a, z, r = pos[k], np.int64(bound[k]), rest[k]
+        while a < z:
+            mid = (a + z) >> 1
+            if _key_at(lo, hi, mid) < r:
+                a = mid + 1
+            else:
+                z = mid
+        pos[k] = a if a < np.int64(bound[k]) and _key_at(lo, hi, a) == r else -1
+
+
 @numba.njit(_sigs("int64[:], int64[:]"), nogil=True, cache=True)
 def _sorted_lookup(lo, hi, seqs, off, shift, ids, out):  # type: ignore[no-untyped-def] # pragma: no cover
-    for i in range(ids.shape[0]):
-        p = _find(lo, hi, off, shift, np.uint64(ids[i]) * _MUL)
-        out[i] = np.int64(seqs[p]) if p >= 0 else _EMPTY
+    pos, scratch = np.empty(_GROUP, dtype=np.int64), np.empty((2, _GROUP), dtype=np.uint64)
+    for g in range(0, ids.shape[0], _GROUP):
+        n = min(_GROUP, ids.shape[0] - g)
+        _find_group(lo, hi, off, shift, ids, g, pos[:n], scratch)
+        for k in range(n):
+            out[g + k] = np.int64(seqs[pos[k]]) if pos[k] >= 0 else _EMPTY
 
 
 @numba.njit(_sigs("int64[:], int64[:], int64[:]"), nogil=True, cache=True)
 def _sorted_update(lo, hi, seqs, off, shift, ids, new, old):  # type: ignore[no-untyped-def] # pragma: no cover
-    """Ids found among the entries take their new number (``old``: the previous one); -2 for the others."""
-    for i in range(ids.shape[0]):
-        p = _find(lo, hi, off, shift, np.uint64(ids[i]) * _MUL)
-        if p >= 0:
-            old[i] = np.int64(seqs[p])
-            seqs[p] = new[i]
-        else:
-            old[i] = -2
+    """Ids found among the entries take their new number (``old``: the previous one); -2 for the others.
+    A repeated id sees its earlier number, as in one pass in order (only ``seqs`` changes here)."""
+    pos, scratch = np.empty(_GROUP, dtype=np.int64), np.empty((2, _GROUP), dtype=np.uint64)
+    for g in range(0, ids.shape[0], _GROUP):
+        n = min(_GROUP, ids.shape[0] - g)
+        _find_group(lo, hi, off, shift, ids, g, pos[:n], scratch)
+        for k in range(n):
+            p = pos[k]
+            if p >= 0:
+                old[g + k] = np.int64(seqs[p])
+                seqs[p] = new[g + k]
+            else:
+                old[g + k] = -2
 
 
 @numba.njit(_sigs("int64, uint64[:], int64[:]"), nogil=True, cache=True)
