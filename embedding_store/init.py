@@ -26,7 +26,17 @@ __all__ = ["init_rows", "table_key"]
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-# Signature given: compiled (or loaded from numba's cache) on import, not in a stage's first call.
+@numba.njit("uint64(uint64)", nogil=True, cache=True)
+def _mix64(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
+    """``hashing.mix64_inplace`` of one value, for compiled loops."""
+    x ^= x >> np.uint64(30)
+    x *= _M1
+    x ^= x >> np.uint64(27)
+    x *= _M2
+    return x ^ (x >> np.uint64(31))
+
+
+# Signatures given: compiled (or loaded from numba's cache) on import, not in a stage's first call.
 @numba.njit("void(uint64[:], uint64, float32, float32[:, :])", nogil=True, cache=True)
 def _fill(ids: np.ndarray, key: np.uint64, scale: np.float32, out: np.ndarray) -> None:  # pragma: no cover
     """``out[i, j]`` = the value of column j of row ``ids[i]``, for the stream ``key``: SplitMix64 of
@@ -35,19 +45,9 @@ def _fill(ids: np.ndarray, key: np.uint64, scale: np.float32, out: np.ndarray) -
     two_scale = np.float32(2.0) * scale
     unit_of = np.float32(2.0**-24)
     for i in range(ids.shape[0]):
-        x = ids[i] ^ key
-        x ^= x >> np.uint64(30)
-        x *= _M1
-        x ^= x >> np.uint64(27)
-        x *= _M2
-        x ^= x >> np.uint64(31)
+        x = _mix64(ids[i] ^ key)
         for j in range(out.shape[1]):
-            h = x + np.uint64(j + 1) * _GOLDEN
-            h ^= h >> np.uint64(30)
-            h *= _M1
-            h ^= h >> np.uint64(27)
-            h *= _M2
-            h ^= h >> np.uint64(31)
+            h = _mix64(x + np.uint64(j + 1) * _GOLDEN)
             unit = np.float32(h >> np.uint64(40)) * unit_of  # exact: 24 bits
             out[i, j] = unit * two_scale - scale
 
