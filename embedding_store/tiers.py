@@ -112,9 +112,13 @@ class HostTier(_Positions):
     def take(self, pos: np.ndarray) -> np.ndarray:
         """Remove (N,) distinct positions and return their (N, R) rows."""
         rows = self.gather(pos)
+        self._drop(pos)
+        return rows
+
+    def _drop(self, pos: np.ndarray) -> None:
+        """Empty (N,) distinct positions without reading their rows."""
         self.dirty[pos] = False
         self.deallocate(pos)
-        return rows
 
     def put(
         self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future: FutureIds
@@ -140,8 +144,7 @@ class HostTier(_Positions):
             dirty_victims = victims[self.dirty[victims]]
             spill_ids.append(self.ids[dirty_victims])
             spill_rows.append(self.gather(dirty_victims))
-            self.dirty[victims] = False
-            self.deallocate(victims)
+            self._drop(victims)
         if ids.shape[0]:
             pos = self.allocate(ids)
             if pos[-1] - pos[0] == pos.shape[0] - 1 and (np.diff(pos) == 1).all():  # one contiguous block
