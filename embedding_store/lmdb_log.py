@@ -34,6 +34,7 @@ segment's pages ahead of its reads (:mod:`embedding_store.readahead`). Only ``lm
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -235,6 +236,38 @@ class LogTables:
             raise StoreCorruptError(f"table {t.spec.name!r}: the log index points at blocks that are missing")
         return rows_of_blocks(values, inverse, ordered % t.geo.block, t.spec)
 
+    def _read_span(self, t: _Table, seg: int, ordered: np.ndarray) -> np.ndarray:
+        """Rows of ascending sequence numbers of segment ``seg`` (the caller holds the shared lock), read by
+        walking the segment's blocks from the first one's block to the last one's.
+
+        Compaction reads nearly every block of its segment (a block holds a live row unless all its rows
+        died), and a cursor's walk costs less than a search for each block (``getmulti``). A segment's
+        blocks have consecutive numbers (every write starts a block at the segment's next number), so
+        the walk checks only that it began on the first block and ended on the last.
+        """
+        first, last = int(ordered[0]) // t.geo.block, int(ordered[-1]) // t.geo.block
+        step = max(1, self._io.unmap_every or last - first + 1)
+        values: list[bytes] = []
+        for lo in range(first, last + 1, step):  # the mapped pages are dropped between chunks (bounded RSS)
+            count = min(step, last + 1 - lo)
+            with self._env.begin(db=t.segs[seg]) as txn:
+                cursor = txn.cursor()
+                ends = encode_keys(np.array([lo, lo + count - 1]))
+                got = (
+                    list(itertools.islice(cursor.iternext(keys=False), count))
+                    if cursor.set_key(ends[0])
+                    else []
+                )
+                # Keys ascend: the walk ends on block lo + count - 1 only if none between was missing (a
+                # cursor that found no first block or ran out of blocks is unpositioned: its key is empty).
+                if cursor.key() != ends[1]:
+                    raise StoreCorruptError(
+                        f"table {t.spec.name!r}: blocks {lo}..{lo + count - 1} of log segment {seg} are not all there"
+                    )
+            self._io.count_read(count)
+            values.extend(got)
+        return rows_of_blocks(values, ordered // t.geo.block - first, ordered % t.geo.block, t.spec)
+
     def _read_blocks(
         self, t: _Table, keys: list[bytes], seg_of: np.ndarray, run: slice
     ) -> list[tuple[bytes, bytes]]:
@@ -383,7 +416,7 @@ class LogTables:
         ids, seqs = ids[at], live
         for a in range(0, ids.shape[0], COPY_ROWS):
             with self._rw.shared():
-                rows = self._read(t, seqs[a : a + COPY_ROWS])
+                rows = self._read_span(t, seg, seqs[a : a + COPY_ROWS])
             first = t.next_seq
             self._append(
                 [(t, ids[a : a + COPY_ROWS], rows, np.arange(first, first + rows.shape[0], dtype=np.int64))]

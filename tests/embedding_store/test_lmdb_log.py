@@ -18,6 +18,7 @@ from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, Table
 from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.lmdb_log import replay_runs
 from embedding_store.lmdb_scan import scan_snapshot
+from embedding_store.log_format import Geometry
 from embedding_store.log_index import DenseSeqIndex, HashSeqIndex, SortedSeqIndex
 from embedding_store.log_live import Liveness
 
@@ -267,6 +268,64 @@ def test_reads_racing_writes_and_compactions_always_find_committed_rows(tmp_path
             t.join()
     assert not errors, errors[0]
     assert backend._log is not None and backend._log.stats.compactions > 20
+    backend.close()
+
+
+WIDE = TableSpec(name="w", dim=100, optimizer=OptimizerKind.EXACT_SGD)  # 5 rows a block, 10 blocks a segment
+
+
+def test_compaction_walks_multi_block_segments_in_chunks(tmp_path: Path) -> None:
+    """Compaction reads a segment's blocks by walking them (``_read_span``), ``unmap_every_rows`` blocks
+    a chunk at most: the rows stay equal to a dict oracle through compactions and a reopen."""
+    backend = LmdbBackend(tmp_path / "env", options=_options(unmap_every_rows=3), seed=0, tables=[WIDE])
+    log = backend._log
+    assert log is not None and log._tables["w"].geo == Geometry(block=5, segment=50)
+    counted: list[int] = []  # blocks counted by each chunk of compaction's reads
+    reading = [False]
+    log._io = dataclasses.replace(log._io, count_read=lambda n: reading[0] and counted.append(n))
+    read_span = log._read_span
+
+    def counted_read(*args: object) -> np.ndarray:
+        reading[0] = True
+        try:
+            return read_span(*args)  # type: ignore[arg-type]
+        finally:
+            reading[0] = False
+
+    log._read_span = counted_read  # type: ignore[method-assign]
+    rng, oracle = np.random.default_rng(3), _Oracle()
+    oracle.rows["w"] = {}
+    for _ in range(150):
+        ids = np.unique(rng.integers(0, 400, size=int(rng.integers(1, 40)))).astype(np.int64) * 3
+        rows = rng.standard_normal((ids.shape[0], WIDE.row_floats)).astype(np.float32)
+        backend.put_rows([("w", ids, rows)])
+        oracle.put("w", ids, rows)
+    assert log.stats.compactions > 10 and log.stats.copied_rows > 100
+    assert counted and max(counted) <= 3, counted
+    everything = np.array(sorted(oracle.rows["w"]), dtype=np.int64)
+    oracle.check(backend, "w", everything)
+    backend.close()
+    backend = LmdbBackend(tmp_path / "env", options=_options(), seed=0, tables=[WIDE])
+    oracle.check(backend, "w", everything)
+    backend.close()
+
+
+def test_compaction_refuses_a_segment_with_a_missing_block(tmp_path: Path) -> None:
+    backend = LmdbBackend(tmp_path / "env", options=_options(), seed=0, tables=[WIDE])
+    ids = np.arange(50, dtype=np.int64)  # one full segment: blocks 0..9
+    rows = np.arange(50 * WIDE.row_floats, dtype=np.float32).reshape(50, -1)
+    backend.put_rows([("w", ids, rows)])
+    backend.put_rows([("w", ids[:20], rows[:20] + 1)])  # blocks 0..3 dead, the segment sealed
+    log = backend._log
+    assert log is not None
+    t = log._tables["w"]
+    with backend._env.begin(write=True) as txn:
+        txn.delete((6).to_bytes(8, "big"), db=t.segs[0])  # rows 30..34
+    with pytest.raises(StoreCorruptError, match="blocks .* of log segment 0 are not all there"):
+        log.compact("w", 0)
+    assert 0 in t.segs  # nothing was dropped
+    found, got = backend.get_rows("w", ids[20:30])
+    assert found.all() and np.array_equal(got, rows[20:30])
     backend.close()
 
 
