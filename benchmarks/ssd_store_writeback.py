@@ -4,7 +4,8 @@ against LMDB's sorted bulk append of the same number of rows, measured in the sa
 1. Fill: ``base_rows`` hashed 64-bit ids (``ssd_writeback.hashed_ids``) of 260-byte rows (dim 64 + one
    row-wise Adagrad float), in sorted bulk ``put_rows`` of 1 M rows, then synced.
 2. Write-back: transactions of ``batch_rows`` random stored ids (sorted and unique within each, as the
-   background writer commits them), each row tagged with its write's number. In the log layout, writes
+   background writer commits them), each row tagged with its write's number. The ids of a measured
+   part are drawn before its clock starts (the rows are built inside it, as the baseline's are). In the log layout, writes
    run until compaction has started (``warm``: a fresh log has nothing dead to compact) and then the
    measured window of ``window_rows`` rows, compaction included; the B-tree layout has no warm-up.
    The window starts after a sync and ends with ``sync`` + ``os.sync()``: its bytes reached the device.
@@ -105,9 +106,17 @@ def store_writeback(
     log = backend._log
     writes = [0]
 
-    def write_back() -> int:
+    def picks(rows: int) -> list[np.ndarray]:
+        """Batches of sorted unique base rows adding up to at least ``rows`` (drawn before a timed part:
+        the draw is the benchmark's input, not the store's work)."""
+        out: list[np.ndarray] = []
+        while sum(p.shape[0] for p in out) < rows:
+            out.append(np.unique(rng.integers(0, base_rows, size=batch_rows)))
+        return out
+
+    def write_back(pick: np.ndarray | None = None) -> int:
         writes[0] += 1
-        pick = np.unique(rng.integers(0, base_rows, size=batch_rows))
+        pick = np.unique(rng.integers(0, base_rows, size=batch_rows)) if pick is None else pick
         backend.put_rows([("t", ids[pick], _rows(ids[pick], writes[0]))])
         version[pick] = writes[0]
         return int(pick.shape[0])
@@ -119,10 +128,11 @@ def store_writeback(
     _synced(path, backend)
     io, parts, total_s = _Io(path), [], 0.0
     for part in range(PARTS):  # consecutive thirds: the first compactions of a fresh log come at once
+        batches = picks(window_rows // PARTS)
         part_io, before = _Io(path), _log_counts(log)
         written, start = 0, time.perf_counter()
-        while written < window_rows // PARTS:
-            written += write_back()
+        for pick in batches:
+            written += write_back(pick)
         unsynced = time.perf_counter() - start
         _synced(path, backend)
         seconds = time.perf_counter() - start
