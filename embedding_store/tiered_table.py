@@ -302,6 +302,8 @@ class TieredTable:
 
     def read_plan(self, plan: PrefetchPlan) -> tuple[np.ndarray, np.ndarray]:
         """Step 2 (unlocked): the LMDB read of a plan."""
+        if plan.ids.shape[0] == 0:  # every row was above LMDB (the steady state of a cache that fits)
+            return np.empty(0, dtype=bool), np.empty((0, self.spec.row_floats), dtype=np.float32)
         start = time.perf_counter()
         result = self._backend.get_rows(self.spec.name, plan.ids)
         self.stats[Tier.SSD].seconds += time.perf_counter() - start

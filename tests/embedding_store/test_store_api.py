@@ -212,6 +212,24 @@ def test_prefetch_reads_the_ids_announced_not_a_later_edit_of_the_array(store_di
         assert (host.hits, host.misses) == (3, 0)
 
 
+def test_prefetch_of_rows_all_above_lmdb_does_not_read_lmdb(store_dir, monkeypatch) -> None:
+    """A batch whose rows all sit in the host or device tier (a cache that fits) costs no LMDB read."""
+    with _open(store_dir) as store:
+        store.lookahead(0, {"t": np.array([3, 5, 9])})
+        store.prefetch(0)  # first touches: read (none stored), then parked in the host tier
+        reads: list[np.ndarray] = []
+        backend = store._backend
+        get_rows = backend.get_rows
+        monkeypatch.setattr(backend, "get_rows", lambda table, ids: reads.append(ids) or get_rows(table, ids))
+        store.lookahead(1, {"t": np.array([3, 5, 9])})
+        store.prefetch(1)
+        assert reads == []
+        store.lookahead(2, {"t": np.array([5, 11])})
+        store.prefetch(2)  # 11 is on no tier: read
+        assert [r.tolist() for r in reads] == [[11]]
+        assert store.stats().resident_rows["t"][Tier.HOST] == 4
+
+
 def _seconds_while_lock_held(store: TieredStore, monkeypatch, fill_ids: dict, call) -> tuple[float, object]:
     """Run ``call()`` while another thread sits inside ``make_resident(2, fill_ids)`` holding the store
     lock; returns how long it took and what it returned (the other thread is let go and joined after)."""
