@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -78,16 +80,24 @@ class Geometry:
 
 
 def rows_of_blocks(
-    values: list[bytes], inverse: np.ndarray, slots: np.ndarray, spec: TableSpec
+    values: Sequence[bytes | None], inverse: np.ndarray, slots: np.ndarray, spec: TableSpec
 ) -> np.ndarray:
-    """Rows ``slots`` of blocks ``inverse`` (indexes into ``values``) as an (N, R) float32 array."""
-    lens = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    """Rows ``slots`` of blocks ``inverse`` (indexes into ``values``; None: a block that was not found)
+    as an (N, R) float32 array."""
+    try:
+        lens = np.fromiter(map(len, values), dtype=np.int64, count=len(values))  # type: ignore[arg-type]
+    except TypeError:  # len(None)
+        raise StoreCorruptError(
+            f"table {spec.name!r}: the log index points at blocks that are missing"
+        ) from None
     rows_in = lens // spec.row_bytes
     if (lens % spec.row_bytes).any() or (slots >= rows_in[inverse]).any():
         raise StoreCorruptError(f"table {spec.name!r}: a log block of unexpected size")
     start = np.zeros(len(values), dtype=np.int64)
     np.cumsum(rows_in[:-1], out=start[1:])
-    flat = np.frombuffer(b"".join(values), dtype=np.float32).reshape(-1, spec.row_floats)
+    flat = np.frombuffer(b"".join(cast("Sequence[bytes]", values)), dtype=np.float32).reshape(
+        -1, spec.row_floats
+    )
     return flat[start[inverse] + slots]
 
 

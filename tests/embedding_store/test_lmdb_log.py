@@ -329,6 +329,25 @@ def test_compaction_refuses_a_segment_with_a_missing_block(tmp_path: Path) -> No
     backend.close()
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_read_refuses_a_block_the_index_points_at_that_is_missing(tmp_path: Path, threads: int) -> None:
+    backend = LmdbBackend(
+        tmp_path / "env", options=_options(read_threads=threads, read_split="always"), seed=0, tables=[WIDE]
+    )
+    ids = np.arange(50, dtype=np.int64) * 11  # blocks 0..9 of segment 0
+    rows = np.arange(50 * WIDE.row_floats, dtype=np.float32).reshape(50, -1)
+    backend.put_rows([("w", ids, rows)])
+    log = backend._log
+    assert log is not None
+    with backend._env.begin(write=True) as txn:
+        txn.delete((6).to_bytes(8, "big"), db=log._tables["w"].segs[0])  # rows 30..34
+    found, got = backend.get_rows("w", ids[:30])  # the blocks that are there still read
+    assert found.all() and np.array_equal(got, rows[:30])
+    with pytest.raises(StoreCorruptError, match="points at blocks that are missing"):
+        backend.get_rows("w", ids)
+    backend.close()
+
+
 def test_damaged_runs_are_refused(tmp_path: Path) -> None:
     backend = _open(tmp_path / "env")
     backend.put_rows([("u", np.array([3, 9]), np.ones((2, 4), np.float32))])
