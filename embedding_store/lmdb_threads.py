@@ -2,7 +2,7 @@
 transaction out of a map resize, and a pool of reader threads that splits a large read into runs.
 
 A read of rows that are not in the page cache costs one page fault per row, and one transaction's
-``getmulti`` takes them one at a time. LMDB serves any number of concurrent read transactions (py-lmdb
+reads (``get``, ``getmulti``) take them one at a time. LMDB serves any number of concurrent read transactions (py-lmdb
 opens every environment with ``MDB_NOTLS``, so a read transaction belongs to no thread; each run begins
 its own) and py-lmdb releases the GIL while LMDB walks the tree, so runs on several threads keep that many
 faults in flight and the disk serves them in parallel (docs/tiers.md, "Parallel cold reads").
