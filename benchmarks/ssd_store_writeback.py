@@ -5,9 +5,10 @@ against LMDB's sorted bulk append of the same number of rows, measured in the sa
    row-wise Adagrad float), in sorted bulk ``put_rows`` of 1 M rows, then synced.
 2. Write-back: transactions of ``batch_rows`` random stored ids (sorted and unique within each, as the
    background writer commits them), each row tagged with its write's number. The ids of a measured
-   part are drawn before its clock starts (the rows are built inside it, as the baseline's are). In the log layout, writes
-   run until compaction has started (``warm``: a fresh log has nothing dead to compact) and then the
-   measured window of ``window_rows`` rows, compaction included; the B-tree layout has no warm-up.
+   part are drawn before its clock starts (the rows are built inside it, as the baseline's are). In the
+   log layout, writes run until compaction has started (``warm``: a fresh log has nothing dead to
+   compact) and then the measured window of ``window_rows`` rows, compaction included; the B-tree
+   layout has no warm-up.
    The window starts after a sync and ends with ``sync`` + ``os.sync()``: its bytes reached the device.
    It is measured in ``PARTS`` consecutive parts too: under uniform updates every segment of the fresh
    base reaches the compaction point at about the same time, so the first part compacts far more than
@@ -110,8 +111,10 @@ def store_writeback(
         """Batches of sorted unique base rows adding up to at least ``rows`` (drawn before a timed part:
         the draw is the benchmark's input, not the store's work)."""
         out: list[np.ndarray] = []
-        while sum(p.shape[0] for p in out) < rows:
+        drawn = 0
+        while drawn < rows:
             out.append(np.unique(rng.integers(0, base_rows, size=batch_rows)))
+            drawn += out[-1].shape[0]
         return out
 
     def write_back(pick: np.ndarray | None = None) -> int:

@@ -260,7 +260,8 @@ class LogTables:
                 # cursor that found no first block or ran out of blocks is unpositioned: its key is empty).
                 if cursor.key() != ends[1]:
                     raise StoreCorruptError(
-                        f"table {t.spec.name!r}: blocks {lo}..{lo + count - 1} of log segment {seg} are not all there"
+                        f"table {t.spec.name!r}: blocks {lo}..{lo + count - 1} of log segment {seg} "
+                        "are not all there"
                     )
             self._io.count_read(count)
             values.extend(got)

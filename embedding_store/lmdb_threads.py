@@ -2,10 +2,11 @@
 transaction out of a map resize, and a pool of reader threads that splits a large read into runs.
 
 A read of rows that are not in the page cache costs one page fault per row, and one transaction's
-reads (``get``, ``getmulti``) take them one at a time. LMDB serves any number of concurrent read transactions (py-lmdb
-opens every environment with ``MDB_NOTLS``, so a read transaction belongs to no thread; each run begins
-its own) and py-lmdb releases the GIL while LMDB walks the tree, so runs on several threads keep that many
-faults in flight and the disk serves them in parallel (docs/tiers.md, "Parallel cold reads").
+reads (``get``, ``getmulti``) take them one at a time. LMDB serves any number of concurrent read
+transactions (py-lmdb opens every environment with ``MDB_NOTLS``, so a read transaction belongs to no
+thread; each run begins its own) and py-lmdb releases the GIL while LMDB walks the tree, so runs on
+several threads keep that many faults in flight and the disk serves them in parallel (docs/tiers.md,
+"Parallel cold reads").
 
 Where the pages are cached the split only costs: hand-offs between threads and a transaction per run.
 So by default a read is split only while reads take major page faults (pages read from the disk, counted
