@@ -51,18 +51,19 @@ def majflt() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
-def timed_read(read_plan: Any, reads: list) -> Any:
-    """``TieredTable.read_plan`` (a prefetch's unlocked LMDB read) adding its seconds and rows to ``reads``."""
+def timed(fn: Any, acc: list, rows: Any = None) -> Any:
+    """``fn`` adding its wall seconds to ``acc[0]`` (and ``rows(arg)`` to ``acc[1]``) at every call."""
 
-    def timed(plan: Any) -> Any:
+    def call(arg: Any) -> Any:
         start = time.perf_counter()
         try:
-            return read_plan(plan)
+            return fn(arg)
         finally:
-            reads[0] += time.perf_counter() - start
-            reads[1] += plan.ids.shape[0]
+            acc[0] += time.perf_counter() - start
+            if rows is not None:
+                acc[1] += rows(arg)
 
-    return timed
+    return call
 
 
 def run(base: Path, work: Path, variant: str, first: int, steps: int, compute_ms: float, data: dict) -> dict:
@@ -73,24 +74,19 @@ def run(base: Path, work: Path, variant: str, first: int, steps: int, compute_ms
     if variant == "cold":
         drop_page_cache(work / "data.mdb")
     driver = stage.Driver(SHAPE, work, DIM, stage.Timers())
-    reads = [0.0, 0]  # seconds in the tables' LMDB reads, rows read
+    reads, prefetch = [0.0, 0], [0.0]  # seconds in the tables' LMDB reads and rows read; in prefetch
     for table in driver.store._tables.values():  # noqa: SLF001 - timed on this run's store only
-        table.read_plan = timed_read(table.read_plan, reads)  # type: ignore[method-assign]
+        table.read_plan = timed(table.read_plan, reads, lambda plan: plan.ids.shape[0])  # type: ignore[method-assign]
+    driver.prefetch = timed(driver.prefetch, prefetch)  # type: ignore[method-assign]
     driver.start(first, data.__getitem__)
-    prefetch_s, wall0, cpu0, faults0 = 0.0, time.perf_counter(), time.process_time(), majflt()
+    wall0, cpu0, faults0 = time.perf_counter(), time.process_time(), majflt()
     for s in range(first, first + steps):
-        driver.route(s + 3, data[s + 3])
-        start = time.perf_counter()
-        driver.prefetch(s + 2)
-        prefetch_s += time.perf_counter() - start
-        driver.fill(s + 1)
-        if s - 2 in driver.local:
-            driver.release(s - 2)
+        driver.step(s, data.__getitem__)
         time.sleep(compute_ms / 1e3)
     out = {
         "variant": variant,
         "wall_ms_per_step": (time.perf_counter() - wall0) / steps * 1e3,
-        "prefetch_ms_per_step": prefetch_s / steps * 1e3,
+        "prefetch_ms_per_step": prefetch[0] / steps * 1e3,
         "lmdb_read_ms_per_step": reads[0] / steps * 1e3,
         "cpu_ms_per_step": (time.process_time() - cpu0) / steps * 1e3,
         "major_faults_per_step": (majflt() - faults0) / steps,
