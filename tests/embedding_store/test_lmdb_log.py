@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, TableSpec
+from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, TableSpec, lmdb_log
 from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.lmdb_log import replay_runs
 from embedding_store.lmdb_scan import scan_snapshot
@@ -274,10 +274,17 @@ def test_reads_racing_writes_and_compactions_always_find_committed_rows(tmp_path
 WIDE = TableSpec(name="w", dim=100, optimizer=OptimizerKind.EXACT_SGD)  # 5 rows a block, 10 blocks a segment
 
 
-def test_compaction_walks_multi_block_segments_in_chunks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("unmap_every", "walk_blocks"), [(3, 1024), (None, 2), (7, 3)])
+def test_compaction_walks_multi_block_segments_in_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unmap_every: int | None, walk_blocks: int
+) -> None:
     """Compaction reads a segment's blocks by walking them (``_read_span``), ``unmap_every_rows`` blocks
-    a chunk at most: the rows stay equal to a dict oracle through compactions and a reopen."""
-    backend = LmdbBackend(tmp_path / "env", options=_options(unmap_every_rows=3), seed=0, tables=[WIDE])
+    a chunk at most, unpacked ``WALK_BLOCKS`` at a time: the rows stay equal to a dict oracle through
+    compactions and a reopen."""
+    monkeypatch.setattr(lmdb_log, "WALK_BLOCKS", walk_blocks)
+    backend = LmdbBackend(
+        tmp_path / "env", options=_options(unmap_every_rows=unmap_every), seed=0, tables=[WIDE]
+    )
     log = backend._log
     assert log is not None and log._tables["w"].geo == Geometry(block=5, segment=50)
     counted: list[int] = []  # blocks counted by each chunk of compaction's reads
@@ -301,7 +308,7 @@ def test_compaction_walks_multi_block_segments_in_chunks(tmp_path: Path) -> None
         backend.put_rows([("w", ids, rows)])
         oracle.put("w", ids, rows)
     assert log.stats.compactions > 10 and log.stats.copied_rows > 100
-    assert counted and max(counted) <= 3, counted
+    assert counted and max(counted) <= (unmap_every or 10), counted
     everything = np.array(sorted(oracle.rows["w"]), dtype=np.int64)
     oracle.check(backend, "w", everything)
     backend.close()
@@ -310,7 +317,11 @@ def test_compaction_walks_multi_block_segments_in_chunks(tmp_path: Path) -> None
     backend.close()
 
 
-def test_compaction_refuses_a_segment_with_a_missing_block(tmp_path: Path) -> None:
+@pytest.mark.parametrize("walk_blocks", [1024, 2])
+def test_compaction_refuses_a_segment_with_a_missing_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walk_blocks: int
+) -> None:
+    monkeypatch.setattr(lmdb_log, "WALK_BLOCKS", walk_blocks)
     backend = LmdbBackend(tmp_path / "env", options=_options(), seed=0, tables=[WIDE])
     ids = np.arange(50, dtype=np.int64)  # one full segment: blocks 0..9
     rows = np.arange(50 * WIDE.row_floats, dtype=np.float32).reshape(50, -1)
