@@ -24,7 +24,8 @@ pages now cached): ``warm_parallel_vs_sequential`` is what splitting costs where
 4. Write-back (``benchmarks/ssd_store_writeback.py``): a log-layout store of ``--writeback-base-rows``
    hashed ids (default 50 M, ~13 GiB), random stored ids written back in transactions of
    ``--writeback-batch`` rows until compaction runs, then a measured window of ``--writeback-rows``;
-   the same number of rows appended in id order into an empty LMDB; then the B-tree layout on a base of
+   the same number of rows appended in id order into an empty LMDB, a part after each of the log's three
+   parts (paired ratios in ``writeback_vs_append_parts``); then the B-tree layout on a base of
    the same size for ``--btree-rows``. Adds ``writeback_vs_append``, ``write_amplification`` (bytes to
    the disk per byte of rows written back in the window, compaction included) and the B-tree's
    ``btree_writeback_vs_append`` / ``btree_write_amplification`` to the last line. Needs ~3x the base's

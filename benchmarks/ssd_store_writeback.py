@@ -14,7 +14,10 @@ against LMDB's sorted bulk append of the same number of rows, measured in the sa
    base reaches the compaction point at about the same time, so the first part compacts far more than
    the steady state does.
 3. Append baseline: the same number of rows under sorted fresh keys, ``putmulti(append=True)`` in
-   transactions of ``batch_rows`` into an empty id-keyed LMDB, synced the same way.
+   transactions of ``batch_rows`` into an empty id-keyed LMDB, synced the same way, in parts too: each
+   right after the log's part of as many rows, so that each pair meets the same machine (this disk's
+   append rate has moved 2x between runs, and within one). ``writeback_vs_append`` is the whole window's
+   rate over the baseline's whole rate; the parts' paired ratios are reported beside it.
 4. Check: 1,000 sampled ids read back through the backend equal the newest write of each (an array
    oracle of write numbers).
 
@@ -25,8 +28,10 @@ less (``ssd_writeback._wa``), per byte of rows written back in the window.
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,37 +65,76 @@ def _synced(path: Path, backend: LmdbBackend | None = None, env: lmdb.Environmen
     os.sync()
 
 
-def append_baseline(root: Path, rows: int, batch_rows: int) -> dict[str, Any]:
-    """``rows`` rows under sorted fresh keys appended in transactions of ``batch_rows`` (then synced)."""
-    path = root / "append"
-    path.mkdir(parents=True, exist_ok=True)
-    env = lmdb.open(str(path), map_size=MAP_BYTES, sync=False, metasync=False, readahead=False, max_dbs=4)
-    db = env.open_db(b"rows")
-    io = _Io(path)
-    start = time.perf_counter()
-    for lo in range(0, rows, batch_rows):
-        ids = np.arange(lo, min(rows, lo + batch_rows), dtype=np.int64)
-        keys = ids.astype(">u8").view("V8").tolist()
-        values = _rows(ids, 0).reshape(-1).view(f"V{ROW_BYTES}").tolist()
-        with env.begin(write=True) as txn:
-            txn.cursor(db=db).putmulti(list(zip(keys, values, strict=True)), append=True)
-    _synced(path, env=env)
-    seconds = time.perf_counter() - start
-    disk = io.delta()
-    env.close()
-    shutil.rmtree(path, ignore_errors=True)
-    return {
-        "rows": rows,
-        "seconds": seconds,
-        "rows_per_s": rows / seconds,
-        "write_amplification": _wa(disk, rows),
-    }
+class AppendBaseline:
+    """Rows under sorted fresh keys appended in transactions of ``batch_rows`` into an empty id-keyed LMDB,
+    in parts (:meth:`part`), each synced and its pages then dropped from the page cache (the log's store
+    keeps the cache it had); :meth:`close` deletes the environment and returns the whole run."""
+
+    def __init__(self, root: Path, batch_rows: int) -> None:
+        self._path = root / "append"
+        shutil.rmtree(self._path, ignore_errors=True)
+        self._path.mkdir(parents=True)
+        self._env = lmdb.open(
+            str(self._path), map_size=MAP_BYTES, sync=False, metasync=False, readahead=False, max_dbs=4
+        )
+        self._db = self._env.open_db(b"rows")
+        self._batch = batch_rows
+        self._next = 0
+        self.parts: list[dict[str, Any]] = []
+        self._disk: dict[str, int] = {}
+
+    def part(self, rows: int) -> dict[str, Any]:
+        """Append the next ``rows`` rows (then synced); returns the part's record."""
+        io, cpu = _Io(self._path), _cpu()
+        start = time.perf_counter()
+        for lo in range(self._next, self._next + rows, self._batch):
+            ids = np.arange(lo, min(self._next + rows, lo + self._batch), dtype=np.int64)
+            keys = ids.astype(">u8").view("V8").tolist()
+            values = _rows(ids, 0).reshape(-1).view(f"V{ROW_BYTES}").tolist()
+            with self._env.begin(write=True) as txn:
+                txn.cursor(db=self._db).putmulti(list(zip(keys, values, strict=True)), append=True)
+        _synced(self._path, env=self._env)
+        seconds = time.perf_counter() - start
+        disk = io.delta()
+        self._next += rows
+        for k, v in disk.items():
+            self._disk[k] = self._disk.get(k, 0) + v
+        fd = os.open(self._path / "data.mdb", os.O_RDONLY)
+        try:  # written and synced: the next part appends after them and reads only the tree's right edge
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        rec = {"rows": rows, "seconds": seconds, "rows_per_s": rows / seconds, **_cpu(cpu)}
+        rec["write_amplification"] = _wa(disk, rows)["disk"]
+        self.parts.append(rec)
+        return rec
+
+    def close(self) -> dict[str, Any]:
+        """The whole baseline (every part) as one record; the environment is deleted."""
+        self._env.close()
+        shutil.rmtree(self._path, ignore_errors=True)
+        rows, seconds = sum(p["rows"] for p in self.parts), sum(p["seconds"] for p in self.parts)
+        return {
+            "rows": rows,
+            "seconds": seconds,
+            "rows_per_s": rows / seconds,
+            "write_amplification": _wa(self._disk, rows),
+            "parts": self.parts,
+        }
 
 
 def store_writeback(
-    root: Path, *, layout: str, base_rows: int, window_rows: int, batch_rows: int, seed: int = 0
+    root: Path,
+    *,
+    layout: str,
+    base_rows: int,
+    window_rows: int,
+    batch_rows: int,
+    seed: int = 0,
+    after_part: Callable[[int], Any] | None = None,
 ) -> dict[str, Any]:
-    """Fill, (warm,) measured write-back window and read-back check of one layout; the store is deleted."""
+    """Fill, (warm,) measured write-back window and read-back check of one layout; the store is deleted.
+    ``after_part(rows)`` runs after each measured part (synced) and before the next one's clock starts."""
     path = root / f"store_{layout}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
@@ -129,10 +173,10 @@ def store_writeback(
         warm += write_back()
     out.update(warm_rows=warm, warm_s=time.perf_counter() - start)
     _synced(path, backend)
-    io, parts, total_s = _Io(path), [], 0.0
+    parts, total_s, disk = [], 0.0, {}  # the window's disk counts: its parts' (not what runs between)
     for part in range(PARTS):  # consecutive thirds: the first compactions of a fresh log come at once
         batches = picks(window_rows // PARTS)
-        part_io, before = _Io(path), _log_counts(log)
+        part_io, before, cpu = _Io(path), _log_counts(log), _cpu()
         written, start = 0, time.perf_counter()
         for pick in batches:
             written += write_back(pick)
@@ -140,14 +184,20 @@ def store_writeback(
         _synced(path, backend)
         seconds = time.perf_counter() - start
         total_s += seconds
-        disk = part_io.delta()
+        part_disk = part_io.delta()
+        for k, v in part_disk.items():
+            disk[k] = disk.get(k, 0) + v
         rec = {"part": part, "rows": written, "seconds": seconds, "rows_per_s": written / seconds}
-        rec.update(rows_per_s_unsynced=written / unsynced, write_amplification=_wa(disk, written)["disk"])
-        rec["disk_reads_per_row"] = disk["read_bytes"] / 4096 / written
+        rec.update(_cpu(cpu))
+        rec.update(
+            rows_per_s_unsynced=written / unsynced, write_amplification=_wa(part_disk, written)["disk"]
+        )
+        rec["disk_reads_per_row"] = part_disk["read_bytes"] / 4096 / written
         rec.update({k: v - before[k] for k, v in _log_counts(log).items()})
         parts.append(rec)
+        if after_part is not None:
+            after_part(written)
     written = sum(p["rows"] for p in parts)
-    disk = io.delta()
     out.update(window_rows=written, seconds=total_s, rows_per_s=written / total_s, parts=parts)
     out.update(write_amplification=_wa(disk, written), disk=disk)
     out["disk_reads_per_row"] = disk["read_bytes"] / 4096 / written
@@ -164,6 +214,14 @@ def store_writeback(
     backend.close()
     shutil.rmtree(path, ignore_errors=True)
     return out
+
+
+def _cpu(since: dict[str, float] | None = None) -> dict[str, float]:
+    """This process's user and system CPU seconds (every thread), or those since ``since``: where the
+    wall time of a part goes when it is not waiting for the disk."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    now = {"cpu_user_s": use.ru_utime, "cpu_sys_s": use.ru_stime}
+    return now if since is None else {k: round(v - since[k], 3) for k, v in now.items()}
 
 
 def _log_counts(log: Any) -> dict[str, float]:
@@ -186,14 +244,25 @@ def _version_column(versions: np.ndarray) -> np.ndarray:
 def run_writeback(root: Path, *, base_rows: int, window_rows: int, btree_rows: int, batch_rows: int) -> dict:
     """The log layout (measured window), the append baseline of the same rows, and the B-tree layout
     (``btree_rows`` rows; 0: skipped). Returns the summary's write-back keys."""
-    log = store_writeback(
-        root, layout="log", base_rows=base_rows, window_rows=window_rows, batch_rows=batch_rows
-    )
-    append = append_baseline(root, log["window_rows"], batch_rows)
+    baseline = AppendBaseline(root, batch_rows)
+    try:
+        log = store_writeback(
+            root,
+            layout="log",
+            base_rows=base_rows,
+            window_rows=window_rows,
+            batch_rows=batch_rows,
+            after_part=baseline.part,
+        )
+    finally:
+        append = baseline.close()
     out: dict[str, Any] = {
         "writeback_vs_append": log["rows_per_s"] / append["rows_per_s"],
         "write_amplification": log["write_amplification"]["disk"],
-        "writeback_vs_append_parts": [p["rows_per_s"] / append["rows_per_s"] for p in log["parts"]],
+        "writeback_vs_append_parts": [
+            p["rows_per_s"] / a["rows_per_s"] for p, a in zip(log["parts"], append["parts"], strict=True)
+        ],
+        "append_rows_per_s_parts": [a["rows_per_s"] for a in append["parts"]],
         "write_amplification_parts": [p["write_amplification"] for p in log["parts"]],
         "writeback_rows_per_s": log["rows_per_s"],
         "append_rows_per_s": append["rows_per_s"],
