@@ -37,7 +37,7 @@ from typing import Any
 
 import lmdb
 import numpy as np
-from ssd_writeback import ROW_BYTES, _Io, _wa, hashed_ids
+from ssd_writeback import ROW_BYTES, _drop_from_cache, _Io, _wa, hashed_ids
 
 from embedding_store import LmdbOptions, OptimizerKind, TableSpec
 from embedding_store.lmdb_backend import LmdbBackend
@@ -99,11 +99,7 @@ class AppendBaseline:
         self._next += rows
         for k, v in disk.items():
             self._disk[k] = self._disk.get(k, 0) + v
-        fd = os.open(self._path / "data.mdb", os.O_RDONLY)
-        try:  # written and synced: the next part appends after them and reads only the tree's right edge
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        _drop_from_cache(self._path)  # the next part appends after these pages, reading only the right edge
         rec = {"rows": rows, "seconds": seconds, "rows_per_s": rows / seconds, **_cpu(cpu)}
         rec["write_amplification"] = _wa(disk, rows)["disk"]
         self.parts.append(rec)
@@ -143,8 +139,7 @@ def store_writeback(
     ids = hashed_ids(base_rows)
     version = np.zeros(base_rows, dtype=np.int32)  # newest write of each base id (0: the fill)
     start = time.perf_counter()
-    for lo in range(0, base_rows, FILL_ROWS):
-        backend.put_rows([("t", ids[lo : lo + FILL_ROWS], _rows(ids[lo : lo + FILL_ROWS], 0))])
+    fill(backend, ids)
     _synced(path, backend)
     out: dict[str, Any] = {"layout": layout, "base_rows": base_rows, "fill_s": time.perf_counter() - start}
     rng = np.random.default_rng(seed)
@@ -205,11 +200,7 @@ def store_writeback(
         records, live = log.space("t")
         out["records_per_live_row"] = records / live
     out["data_mdb_gib"] = (path / "data.mdb").stat().st_size / 2**30
-    sample = rng.choice(base_rows, CHECK_ROWS, replace=False)
-    sample.sort()
-    found, got = backend.get_rows("t", ids[sample])
-    if not found.all() or not np.array_equal(got, _rows(ids[sample], 0) + _version_column(version[sample])):
-        raise AssertionError(f"{layout}: rows read back differ from the newest writes")
+    check_newest(backend, ids, version, rng, layout)
     out["checked_rows"] = CHECK_ROWS
     backend.close()
     shutil.rmtree(path, ignore_errors=True)
@@ -233,6 +224,23 @@ def _log_counts(log: Any) -> dict[str, float]:
         "compact_s": log.stats.compact_s,
         "readahead_bytes": log.stats.readahead_bytes,
     }
+
+
+def fill(backend: LmdbBackend, ids: np.ndarray) -> None:
+    """Store ``ids`` with the fill's rows (write 0), in sorted ``put_rows`` of ``FILL_ROWS``."""
+    for lo in range(0, ids.shape[0], FILL_ROWS):
+        backend.put_rows([("t", ids[lo : lo + FILL_ROWS], _rows(ids[lo : lo + FILL_ROWS], 0))])
+
+
+def check_newest(
+    backend: LmdbBackend, ids: np.ndarray, version: np.ndarray, rng: np.random.Generator, what: str
+) -> None:
+    """``CHECK_ROWS`` sampled ids read back equal the newest write of each (``version``: its number)."""
+    sample = rng.choice(ids.shape[0], CHECK_ROWS, replace=False)
+    sample.sort()
+    found, got = backend.get_rows("t", ids[sample])
+    if not found.all() or not np.array_equal(got, _rows(ids[sample], 0) + _version_column(version[sample])):
+        raise AssertionError(f"{what}: rows read back differ from the newest writes")
 
 
 def _version_column(versions: np.ndarray) -> np.ndarray:

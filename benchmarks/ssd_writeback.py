@@ -132,7 +132,8 @@ def _open(path: Path, *, readahead: bool) -> lmdb.Environment:
 
 
 def _drop_from_cache(path: Path) -> None:
-    """fsync ``path/data.mdb`` and drop it from the page cache (its environment must be closed)."""
+    """fsync ``path/data.mdb`` and drop it from the page cache (its environment closed, or idle: pages its
+    map holds stay cached)."""
     fd = os.open(path / "data.mdb", os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -25,14 +25,11 @@ from pathlib import Path
 
 import numpy as np
 from harness import emit, machine_info
-from ssd_store_writeback import MAP_BYTES, SPEC, _rows
+from ssd_store_writeback import CHECK_ROWS, MAP_BYTES, SPEC, _rows, check_newest, fill
 from ssd_writeback import hashed_ids
 
 from embedding_store import LmdbOptions
 from embedding_store.lmdb_backend import LmdbBackend
-
-FILL_ROWS = 1 << 20
-CHECK_ROWS = 1000
 
 
 def main() -> None:
@@ -51,8 +48,7 @@ def main() -> None:
     backend = LmdbBackend(args.dir, options=options, seed=0, tables=[SPEC])
     try:
         ids = hashed_ids(base)
-        for lo in range(0, base, FILL_ROWS):
-            backend.put_rows([("t", ids[lo : lo + FILL_ROWS], _rows(ids[lo : lo + FILL_ROWS], 0))])
+        fill(backend, ids)
         rng = np.random.default_rng(0)
         version = np.zeros(base, dtype=np.int32)  # newest write of each base id (0: the fill)
         log = backend._log
@@ -83,12 +79,7 @@ def main() -> None:
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         copied = log.stats.copied_rows - before[0]
         compact_s = log.stats.compact_s - before[2]
-        sample = np.sort(rng.choice(base, CHECK_ROWS, replace=False))
-        found, got = backend.get_rows("t", ids[sample])
-        want = _rows(ids[sample], 0)
-        want[:, 0] = version[sample]
-        if not found.all() or not np.array_equal(got, want):
-            raise AssertionError("rows read back differ from the newest writes")
+        check_newest(backend, ids, version, rng, "log")
         if profile is not None:
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
         emit(
