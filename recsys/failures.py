@@ -4,7 +4,8 @@ When one rank of a job fails, the others fail soon after with secondary errors (
 connection, a collective timed out) or are terminated by the launcher; the launcher may notice any of
 them first. Each rank therefore records its failure — time, kind and one-line message — the moment it
 stops, before it tears down its process group; the CLI reports the earliest record, which is the root
-cause. Records go to the local launcher through a pipe (:func:`set_failure_channel`), which works when the
+cause, with its traceback when it is not a user error (a secondary error's traceback stays in its record).
+Records go to the local launcher through a pipe (:func:`set_failure_channel`), which works when the
 run directory's disk is full, and to ``<run>/.failed_rank_<r>.json`` for anyone else (torchrun users).
 """
 
@@ -14,6 +15,7 @@ import contextlib
 import json
 import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,15 +26,19 @@ __all__ = ["Failure", "clear_failures", "first_failure", "record_failure", "set_
 _PATTERN = ".failed_rank_*.json"
 # Where this process also sends its failure record: a multiprocessing Connection to the launcher, or None.
 _channel: Any = None
+# The attribute that marks an exception as recorded.
+_RECORDED = "_tierrec_failure_recorded"
 
 
 class Failure(NamedTuple):
-    """A rank's recorded failure: ``user`` is True for a UserError (exit code 2)."""
+    """A rank's recorded failure: ``user`` is True for a UserError (exit code 2); ``detail`` is the
+    traceback of any other error."""
 
     rank: int
     time_s: float
     user: bool
     message: str
+    detail: str = ""
 
 
 def _one_line(err: BaseException) -> str:
@@ -46,23 +52,36 @@ def set_failure_channel(channel: Any) -> None:
     _channel = channel
 
 
-def record_failure(out_dir: Path, rank: int, err: BaseException) -> None:
-    """Record this rank's failure (best effort: a failure to record is ignored)."""
+def record_failure(out_dir: Path, rank: int, err: BaseException) -> bool:
+    """Record this rank's failure (best effort); whether the record reached the launcher or the disk.
+
+    An error already recorded (the same exception object, re-raised further up) is not recorded again.
+    """
+    if getattr(err, _RECORDED, False):
+        return True
+    with contextlib.suppress(AttributeError):
+        setattr(err, _RECORDED, True)
+    user = isinstance(err, UserError)
     record = {
         "rank": rank,
         "time_s": time.time(),
-        "user": isinstance(err, UserError),
+        "user": user,
         "message": _one_line(err),
+        "detail": "" if user else "".join(traceback.format_exception(err)),
     }
+    delivered = False
     if _channel is not None:
         with contextlib.suppress(OSError, ValueError):
-            _channel.send((rank, record["time_s"], record["user"], record["message"]))
+            _channel.send(tuple(record.values()))
+            delivered = True
     try:
         tmp = out_dir / f".failed_rank_{rank}.json.tmp"
         tmp.write_text(json.dumps(record))
         os.replace(tmp, out_dir / f".failed_rank_{rank}.json")
+        delivered = True
     except OSError:
         pass
+    return delivered
 
 
 def first_failure(out_dir: Path) -> Failure | None:
@@ -71,7 +90,15 @@ def first_failure(out_dir: Path) -> Failure | None:
     for path in out_dir.glob(_PATTERN):
         try:
             r = json.loads(path.read_text())
-            found.append(Failure(int(r["rank"]), float(r["time_s"]), bool(r["user"]), str(r["message"])))
+            found.append(
+                Failure(
+                    int(r["rank"]),
+                    float(r["time_s"]),
+                    bool(r["user"]),
+                    str(r["message"]),
+                    str(r.get("detail", "")),
+                )
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return min(found, key=lambda f: (f.time_s, f.rank)) if found else None

@@ -5,7 +5,9 @@ them. It owns their lifetime:
 
 - one worker fails: the others are killed after a short grace period and the root cause is printed (the
   earliest failure any rank reported, received through a pipe, so that it arrives even when the run
-  directory is on a full disk);
+  directory is on a full disk): one line for a user error, its traceback and one line for any other. The
+  workers print no tracebacks themselves: the other ranks' errors are echoes of the first (a peer closed
+  the connection) and stay in their records, ``<run>/.failed_rank_<r>.json``;
 - the launcher gets SIGTERM or SIGINT: it forwards SIGTERM, the workers finish their step, write a
   checkpoint and exit; whoever is still running after ``STOP_GRACE_S`` is killed. A second signal kills
   them at once;
@@ -28,7 +30,7 @@ from types import FrameType
 from typing import Any
 
 from recsys.errors import UserError
-from recsys.failures import Failure, clear_failures, first_failure, set_failure_channel
+from recsys.failures import Failure, clear_failures, first_failure, record_failure, set_failure_channel
 from recsys.runlock import lock_run_dir
 
 __all__ = ["launch", "EXIT_USAGE"]
@@ -47,6 +49,7 @@ def _worker(
 ) -> None:
     """Entry point of a spawned worker process."""
     import threading
+    import traceback
 
     from tqdm import tqdm
 
@@ -72,6 +75,10 @@ def _worker(
         code = stop.exit_code
     except KeyboardInterrupt:  # a second SIGINT: stopped at once, without a checkpoint
         code = 1
+    except Exception as err:  # the launcher prints the root cause only
+        code = 1
+        if not record_failure(out, local_rank, err):
+            traceback.print_exc()  # the record reached no one: this is the only report
     # Leave without the interpreter's teardown, in which gloo's threads, still holding work objects,
     # now and then abort a finished worker ("terminate called without an active exception", SIGABRT).
     logging.shutdown()
@@ -216,6 +223,8 @@ def _outcome(
         if first.user:
             _print_error(first.message)
             return EXIT_USAGE
+        if first.detail:
+            print(first.detail.rstrip(), file=sys.stderr)
         _print_error(f"worker {first.rank} failed: {first.message}")
         return 1
     _print_error(f"worker {failed} exited with code {code}")

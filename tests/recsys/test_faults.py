@@ -2,7 +2,8 @@
 
 Faults are injected into a real 2-rank `recsys train` by tests/faults/sitecustomize.py (test-only): the
 writer thread's LMDB commit, the prefetch stage's SSD read and the key-routing stage fail on rank 1. Rank
-0 is then blocked in a collective with rank 1; the run must end within seconds, reporting rank 1's error.
+0 is then blocked in a collective with rank 1; the run must end within seconds, reporting rank 1's error
+with its traceback, and not rank 0's echo of it.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def test_worker_failure_stops_the_run_promptly(site, n, message, tmp_path, cli_e
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("recsys: error: worker 1 failed: ") and message in last, proc.stderr[-2000:]
+    # The root cause's traceback, printed by the launcher; no worker printed its own (rank 0's is an echo).
+    assert "injected fault" in proc.stderr.split("Traceback (most recent call last)", 1)[-1]
+    assert "Process tierrec-rank-" not in proc.stderr, proc.stderr[-2000:]
     assert ended - fired < PROMPT_S, f"the run took {ended - fired:.1f} s to stop after the fault"
     assert not (tmp_path / "run" / "summary.json").exists()
 
