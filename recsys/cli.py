@@ -152,8 +152,8 @@ def _fail(message: str) -> int:
 def _train(args: argparse.Namespace) -> int:
     from recsys.config import load_config
     from recsys.data.source import check_source
-    from recsys.distributed import free_port, launched_by_torchrun
     from recsys.errors import UserError
+    from recsys.local_env import free_port, launched_by_torchrun
 
     overrides = list(args.overrides)
     if args.nproc is not None:
@@ -216,9 +216,9 @@ def _print_done(summary: dict, out: Path) -> None:
 def _train_seeds(args: argparse.Namespace, overrides: list[str], out: Path) -> int:
     """``recsys train --seeds``: one local run per seed, then the spread over the seeds."""
     from recsys.config import load_config
-    from recsys.distributed import free_port, launched_by_torchrun
     from recsys.errors import UserError
     from recsys.launch import launch
+    from recsys.local_env import free_port, launched_by_torchrun
     from recsys.seeds import parse_seeds, train_seeds
 
     if launched_by_torchrun():

@@ -23,9 +23,9 @@ from typing import Any
 
 from recsys.data.source import DataConfig
 from recsys.data.spec import read_text
-from recsys.data.synthetic import SyntheticConfig
+from recsys.data.synthetic_config import SyntheticConfig
 from recsys.errors import UserError
-from recsys.models import ModelConfig
+from recsys.model_config import ModelConfig
 from recsys.pipeline_config import PipelineSection
 from recsys.sparse import SparseConfig
 from recsys.store_config import StoreSection

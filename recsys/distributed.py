@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from recsys.local_env import free_port, launched_by_torchrun, set_local_rank_env
 
 __all__ = [
     "DistEnv",
@@ -38,30 +39,6 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def launched_by_torchrun() -> bool:
-    """True when torchrun (torch.distributed.run) started this process."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now (for self-spawned local workers)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def set_local_rank_env(rank: int, world_size: int, port: int) -> None:
-    """Describe a rank of a single-machine job in the environment, as torchrun would."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
 
 
 def compute_device(local_rank: int) -> torch.device:

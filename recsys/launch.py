@@ -54,8 +54,8 @@ def _worker(
     from tqdm import tqdm
 
     from recsys.cli import quiet_libraries
-    from recsys.distributed import set_local_rank_env
     from recsys.lifetime import RunStopped, die_with_parent
+    from recsys.local_env import set_local_rank_env
 
     die_with_parent()
     set_local_rank_env(local_rank, nproc, port)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from embedding_store.threads import lower_thread_priority
-from pipelines import PipelineMode
+from pipelines.config import PipelineMode
 
 __all__ = ["PipelineSection"]
 

@@ -14,16 +14,17 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from recsys.data.batch import Batch
 from recsys.data.fetch import default_cache_dir, fetch
 from recsys.data.issues import OnError
 from recsys.data.spec import DATASETS_DIR, DatasetSpec, Format, load_spec, resolve_spec_path
-from recsys.data.spec_dataset import SpecDataset
-from recsys.data.stats import SplitStats
-from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
+from recsys.data.synthetic_config import SyntheticConfig
 from recsys.errors import UserError
+
+if TYPE_CHECKING:  # the readers import torch and torchrec: reading a config must not (recsys.config)
+    from recsys.data.batch import Batch
+    from recsys.data.stats import SplitStats
 
 __all__ = ["Dataset", "DataConfig", "build_dataset", "check_source"]
 
@@ -125,6 +126,9 @@ def check_source(config: DataConfig) -> None:
 
 def build_dataset(config: DataConfig, *, synthetic: SyntheticConfig, seed: int) -> Dataset:
     """The dataset named by ``config.source``."""
+    from recsys.data.spec_dataset import SpecDataset
+    from recsys.data.synthetic import SyntheticCriteo
+
     if config.source == "synthetic":
         return SyntheticCriteo(synthetic, seed=seed)
     spec_path = _spec_path(config)

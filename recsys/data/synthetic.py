@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,10 +24,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from embedding_store.hashing import mix64 as _mix
 from recsys.data.batch import Batch
 from recsys.data.stats import SplitStats
+from recsys.data.synthetic_config import MAX_ID_SPACE, SyntheticConfig
 
 __all__ = ["SyntheticConfig", "SyntheticCriteo", "MAX_ID_SPACE"]
-
-MAX_ID_SPACE = 1 << 63
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SPLITS = {"train": 1, "eval": 2}
@@ -45,63 +43,6 @@ def _key(*parts: int | str) -> np.uint64:
 def _unit(h: np.ndarray) -> np.ndarray:
     """uint64 hashes -> float64 uniform in [0, 1)."""
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class SyntheticConfig:
-    """Synthetic Criteo-layout data (section ``[synthetic]``).
-
-    Attributes:
-        num_dense: dense features (Criteo has 13).
-        num_sparse: sparse features (Criteo has 26).
-        id_space: ids of each sparse feature lie in [0, id_space); up to 2**63 (raw hashed ids).
-        id_spaces: optional per-feature id spaces, overriding ``id_space`` (length ``num_sparse``).
-        multi_hot: the most ids per feature per sample; lengths are uniform in [1, multi_hot].
-        zipf_alpha: exponent of the Zipf law over id popularity ranks (> 0).
-        hidden_dim: size of the hidden per-id vectors whose pairwise products drive the labels.
-        interaction_strength: weight of the pairwise interactions in the hidden logit.
-        linear_strength: weight of the per-id linear effects in the hidden logit.
-        eval_samples: size of the held-out split.
-    """
-
-    num_dense: int = 13
-    num_sparse: int = 26
-    id_space: int = 100_000
-    id_spaces: tuple[int, ...] = ()
-    multi_hot: int = 1
-    zipf_alpha: float = 1.05
-    hidden_dim: int = 2
-    interaction_strength: float = 1.0
-    linear_strength: float = 0.6
-    eval_samples: int = 65_536
-
-    def __post_init__(self) -> None:
-        if self.num_dense < 0:
-            raise ValueError(f"num_dense must be >= 0, got {self.num_dense}")
-        if self.num_sparse < 1:
-            raise ValueError(f"num_sparse must be >= 1, got {self.num_sparse}")
-        for space in (self.id_space, *self.id_spaces):
-            if not 1 <= space <= MAX_ID_SPACE:
-                raise ValueError(f"id_space must be in [1, 2**63], got {space}")
-        if self.id_spaces and len(self.id_spaces) != self.num_sparse:
-            raise ValueError(
-                f"id_spaces needs num_sparse={self.num_sparse} entries, got {len(self.id_spaces)}"
-            )
-        if self.multi_hot < 1:
-            raise ValueError(f"multi_hot must be >= 1, got {self.multi_hot}")
-        if not self.zipf_alpha > 0:
-            raise ValueError(f"zipf_alpha must be > 0, got {self.zipf_alpha}")
-        if self.hidden_dim < 1:
-            raise ValueError(f"hidden_dim must be >= 1, got {self.hidden_dim}")
-        if self.eval_samples < 1:
-            raise ValueError(f"eval_samples must be >= 1, got {self.eval_samples}")
-
-    @property
-    def feature_names(self) -> list[str]:
-        return [f"cat_{i}" for i in range(self.num_sparse)]
-
-    def feature_id_space(self, index: int) -> int:
-        return self.id_spaces[index] if self.id_spaces else self.id_space
 
 
 class SyntheticCriteo:

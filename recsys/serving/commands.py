@@ -85,7 +85,7 @@ def _fail(message: str) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from recsys.distributed import launched_by_torchrun
+    from recsys.local_env import launched_by_torchrun
     from recsys.metrics import write_json
     from recsys.serving.evaluate import evaluate_checkpoint
 

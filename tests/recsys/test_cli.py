@@ -107,3 +107,29 @@ def test_process_exit_code_and_no_traceback(argv, python, cli_env, repo_root):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr and lines[0].startswith("recsys")
+
+
+LIGHT = """
+import sys
+from pathlib import Path
+import recsys.cli, recsys.launch, recsys.local_env
+from recsys.config import load_config
+from recsys.data.source import check_source
+config = load_config(Path("configs/quickstart.toml"), [])
+check_source(config.data)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchrec", "fbgemm_gpu", "numba"))
+assert not heavy, heavy[:5]
+import pipelines, recsys.data
+names = [getattr(pipelines, n) for n in pipelines.__all__] + [getattr(recsys.data, n) for n in recsys.data.__all__]
+print(len(names))
+"""
+
+
+def test_reading_a_config_and_launching_import_no_torch(python, repo_root, cli_env):
+    """The CLI answers a bad config, and the launcher starts its workers, without the seconds torch,
+    TorchRec and FBGEMM take to import; the packages' lazily loaded names all resolve."""
+    proc = subprocess.run(
+        [python, "-c", LIGHT], cwd=repo_root, env=cli_env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["17"]
