@@ -62,21 +62,16 @@ def record_failure(out_dir: Path, rank: int, err: BaseException) -> bool:
     with contextlib.suppress(AttributeError):
         setattr(err, _RECORDED, True)
     user = isinstance(err, UserError)
-    record = {
-        "rank": rank,
-        "time_s": time.time(),
-        "user": user,
-        "message": _one_line(err),
-        "detail": "" if user else "".join(traceback.format_exception(err)),
-    }
+    detail = "" if user else "".join(traceback.format_exception(err))
+    failure = Failure(rank, time.time(), user, _one_line(err), detail)
     delivered = False
     if _channel is not None:
         with contextlib.suppress(OSError, ValueError):
-            _channel.send(tuple(record.values()))
+            _channel.send(tuple(failure))
             delivered = True
     try:
         tmp = out_dir / f".failed_rank_{rank}.json.tmp"
-        tmp.write_text(json.dumps(record))
+        tmp.write_text(json.dumps(failure._asdict()))
         os.replace(tmp, out_dir / f".failed_rank_{rank}.json")
         delivered = True
     except OSError:
