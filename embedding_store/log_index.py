@@ -228,13 +228,16 @@ _GROUP = 32  # ids located together by _find_group
 
 
 @numba.njit(nogil=True, cache=True)
-def _find_group(lo, hi, off, shift, ids, g, pos, scratch):  # type: ignore[no-untyped-def] # pragma: no cover
+def _find_group(lo, hi, seqs, off, shift, ids, g, pos, scratch):  # type: ignore[no-untyped-def] # pragma: no cover
     """``pos[k]`` = the position of ``ids[g + k]`` among the sorted entries, or -1, for k < len(pos) (the
-    caller trims the group at the end of ``ids``; ``scratch``: (2, >= len(pos)) uint64). Each id's mixed
-    key picks a directory bucket and is searched for inside it by bisection, in two passes over the
-    group: first every id's bucket, then the searches. The loads of the first pass do not
-    depend on one another, so their cache misses overlap: ~145 against ~225 ns an id at 40 M entries
-    (an update; the directory and the entries are far larger than the caches)."""
+    caller trims the group at the end of ``ids``; ``scratch``: (3, >= len(pos)) uint64). Each id's mixed
+    key picks a directory bucket and is searched for inside it by bisection, in three passes over the
+    group: every id's bucket, then a load of each bucket's first and last entry in the three arrays
+    (``seqs`` too: the caller reads or writes it next), then the searches, which find those lines
+    cached. The loads of the first two passes do not depend on one another, so their cache misses
+    overlap. An update at 40 M entries cost ~225 ns an id with neither pass and ~145 with the first; at
+    50 M, 160-172 with the first and 108-116 with both (the directory and the entries are far larger
+    than the caches; docs/performance.md)."""
     mask = (_ONE << shift) - _ONE
     rest, bound = scratch[0], scratch[1]
     for k in range(pos.shape[0]):
@@ -243,6 +246,13 @@ def _find_group(lo, hi, off, shift, ids, g, pos, scratch):  # type: ignore[no-un
         rest[k] = m & mask
         pos[k] = np.int64(off[b])
         bound[k] = off[b + _ONE]
+    touched = np.uint64(0)
+    for k in range(pos.shape[0]):
+        a, z = pos[k], np.int64(bound[k]) - 1
+        if a <= z:
+            touched += np.uint64(lo[a]) + np.uint64(lo[z]) + np.uint64(hi[a]) + np.uint64(hi[z])
+            touched += np.uint64(seqs[a]) + np.uint64(seqs[z])
+    scratch[2, 0] = touched  # kept, so that the compiler keeps the loads
     for k in range(pos.shape[0]):
         a, z, r = pos[k], np.int64(bound[k]), rest[k]
         while a < z:
@@ -256,10 +266,10 @@ def _find_group(lo, hi, off, shift, ids, g, pos, scratch):  # type: ignore[no-un
 
 @numba.njit(_sigs("int64[:], int64[:]"), nogil=True, cache=True)
 def _sorted_lookup(lo, hi, seqs, off, shift, ids, out):  # type: ignore[no-untyped-def] # pragma: no cover
-    pos, scratch = np.empty(_GROUP, dtype=np.int64), np.empty((2, _GROUP), dtype=np.uint64)
+    pos, scratch = np.empty(_GROUP, dtype=np.int64), np.empty((3, _GROUP), dtype=np.uint64)
     for g in range(0, ids.shape[0], _GROUP):
         n = min(_GROUP, ids.shape[0] - g)
-        _find_group(lo, hi, off, shift, ids, g, pos[:n], scratch)
+        _find_group(lo, hi, seqs, off, shift, ids, g, pos[:n], scratch)
         for k in range(n):
             out[g + k] = np.int64(seqs[pos[k]]) if pos[k] >= 0 else _EMPTY
 
@@ -268,10 +278,10 @@ def _sorted_lookup(lo, hi, seqs, off, shift, ids, out):  # type: ignore[no-untyp
 def _sorted_update(lo, hi, seqs, off, shift, ids, new, old):  # type: ignore[no-untyped-def] # pragma: no cover
     """Ids found among the entries take their new number (``old``: the previous one); -2 for the others.
     A repeated id sees its earlier number, as in one pass in order (only ``seqs`` changes here)."""
-    pos, scratch = np.empty(_GROUP, dtype=np.int64), np.empty((2, _GROUP), dtype=np.uint64)
+    pos, scratch = np.empty(_GROUP, dtype=np.int64), np.empty((3, _GROUP), dtype=np.uint64)
     for g in range(0, ids.shape[0], _GROUP):
         n = min(_GROUP, ids.shape[0] - g)
-        _find_group(lo, hi, off, shift, ids, g, pos[:n], scratch)
+        _find_group(lo, hi, seqs, off, shift, ids, g, pos[:n], scratch)
         for k in range(n):
             p = pos[k]
             if p >= 0:
