@@ -29,10 +29,12 @@ pages now cached): ``warm_parallel_vs_sequential`` is what splitting costs where
    the same size for ``--btree-rows``. Adds ``writeback_vs_append``, ``write_amplification`` (bytes to
    the disk per byte of rows written back in the window, compaction included) and the B-tree's
    ``btree_writeback_vs_append`` / ``btree_write_amplification`` to the last line. Needs ~3x the base's
-   size of free disk; ``--skip-writeback`` / ``--skip-reads`` run one half.
+   size of free disk; ``--skip-writeback`` / ``--skip-reads`` run one half; ``--log-compact-at`` sets the
+   log's ``LmdbOptions.log_compact_at`` (more dead records kept, fewer copies).
 
 Usage: python benchmarks/bench_ssd.py [--rows 4000000] [--dir /tmp/bench_ssd] [--quick]
        [--writeback-base-rows 50000000] [--writeback-rows 30000000] [--btree-rows 1000000]
+       [--log-compact-at 0.4]
 """
 
 from __future__ import annotations
@@ -210,6 +212,12 @@ def main() -> None:
     parser.add_argument(
         "--writeback-batch", type=int, default=1 << 15, help="rows per write-back transaction"
     )
+    parser.add_argument(
+        "--log-compact-at",
+        type=float,
+        default=None,
+        help="the log's LmdbOptions.log_compact_at (default: its default)",
+    )
     parser.add_argument("--btree-rows", type=int, default=1_000_000, help="B-tree layout window (0: skip)")
     parser.add_argument("--skip-writeback", action="store_true")
     parser.add_argument("--skip-reads", action="store_true")
@@ -229,6 +237,7 @@ def main() -> None:
                 window_rows=args.writeback_rows,
                 btree_rows=args.btree_rows,
                 batch_rows=args.writeback_batch,
+                compact_at=args.log_compact_at,
             )
         finally:
             if not args.keep:

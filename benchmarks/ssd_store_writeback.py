@@ -27,6 +27,7 @@ less (``ssd_writeback._wa``), per byte of rows written back in the window.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import shutil
@@ -128,13 +129,17 @@ def store_writeback(
     batch_rows: int,
     seed: int = 0,
     after_part: Callable[[int], Any] | None = None,
+    compact_at: float | None = None,
 ) -> dict[str, Any]:
     """Fill, (warm,) measured write-back window and read-back check of one layout; the store is deleted.
-    ``after_part(rows)`` runs after each measured part (synced) and before the next one's clock starts."""
+    ``after_part(rows)`` runs after each measured part (synced) and before the next one's clock starts;
+    ``compact_at``: the log's ``LmdbOptions.log_compact_at`` (None: the default)."""
     path = root / f"store_{layout}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     options = LmdbOptions(initial_map_size_bytes=MAP_BYTES, layout=layout)
+    if compact_at is not None:
+        options = dataclasses.replace(options, log_compact_at=compact_at)
     backend = LmdbBackend(path, options=options, seed=0, tables=[SPEC])
     ids = hashed_ids(base_rows)
     version = np.zeros(base_rows, dtype=np.int32)  # newest write of each base id (0: the fill)
@@ -142,6 +147,8 @@ def store_writeback(
     fill(backend, ids)
     _synced(path, backend)
     out: dict[str, Any] = {"layout": layout, "base_rows": base_rows, "fill_s": time.perf_counter() - start}
+    if layout == "log":
+        out["log_compact_at"] = options.log_compact_at
     rng = np.random.default_rng(seed)
     log = backend._log
     writes = [0]
@@ -249,9 +256,18 @@ def _version_column(versions: np.ndarray) -> np.ndarray:
     return col
 
 
-def run_writeback(root: Path, *, base_rows: int, window_rows: int, btree_rows: int, batch_rows: int) -> dict:
-    """The log layout (measured window), the append baseline of the same rows, and the B-tree layout
-    (``btree_rows`` rows; 0: skipped). Returns the summary's write-back keys."""
+def run_writeback(
+    root: Path,
+    *,
+    base_rows: int,
+    window_rows: int,
+    btree_rows: int,
+    batch_rows: int,
+    compact_at: float | None = None,
+) -> dict:
+    """The log layout (measured window; ``compact_at``: its ``log_compact_at``, None: the default), the
+    append baseline of the same rows, and the B-tree layout (``btree_rows`` rows; 0: skipped). Returns
+    the summary's write-back keys."""
     baseline = AppendBaseline(root, batch_rows)
     try:
         log = store_writeback(
@@ -261,6 +277,7 @@ def run_writeback(root: Path, *, base_rows: int, window_rows: int, btree_rows: i
             window_rows=window_rows,
             batch_rows=batch_rows,
             after_part=baseline.part,
+            compact_at=compact_at,
         )
     finally:
         append = baseline.close()
