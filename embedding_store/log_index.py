@@ -426,7 +426,7 @@ class SortedSeqIndex:
 
 
 def make_seq_index(num_embeddings: int | None) -> SeqIndex:
-    """The dense index for a small bounded id space, the hash index otherwise."""
+    """The dense index for a small bounded id space, the packed sorted index otherwise."""
     if num_embeddings is not None and num_embeddings <= DENSE_MAX_IDS:
         return DenseSeqIndex(num_embeddings)
     return SortedSeqIndex()
