@@ -27,7 +27,6 @@ less (``ssd_writeback._wa``), per byte of rows written back in the window.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import resource
 import shutil
@@ -137,9 +136,8 @@ def store_writeback(
     path = root / f"store_{layout}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
-    options = LmdbOptions(initial_map_size_bytes=MAP_BYTES, layout=layout)
-    if compact_at is not None:
-        options = dataclasses.replace(options, log_compact_at=compact_at)
+    chosen = {} if compact_at is None else {"log_compact_at": compact_at}
+    options = LmdbOptions(initial_map_size_bytes=MAP_BYTES, layout=layout, **chosen)
     backend = LmdbBackend(path, options=options, seed=0, tables=[SPEC])
     ids = hashed_ids(base_rows)
     version = np.zeros(base_rows, dtype=np.int32)  # newest write of each base id (0: the fill)
