@@ -231,7 +231,7 @@ class TrainLoop:
         if not result.get("stopped_early") or last is None or last.step != t.step:
             # Drain the pipeline's prefetched batches (none remain: the iterator stops at train.steps).
             last = self.evaluation(pipeline, bar)
-        if tcfg.checkpoint_every and t.saved_step != t.step:
+        if tcfg.final_checkpoint and t.saved_step != t.step:
             t.save()
         result.update(
             auc=last.auc,

@@ -19,7 +19,15 @@ from recsys.windows import sparse_module, windowed_rest
 
 torch.fx.wrap("windowed_rest")  # TorchRec's fx tracer sees the sharded lookup, not the windows' loop
 
-__all__ = ["ModelName", "ModelConfig", "build_model", "table_configs", "TrainModel", "LogisticRegression"]
+__all__ = [
+    "ModelName",
+    "ModelConfig",
+    "build_model",
+    "table_configs",
+    "interaction_order",
+    "TrainModel",
+    "LogisticRegression",
+]
 
 
 class LogisticRegression(nn.Module):
@@ -86,6 +94,22 @@ def _logistic(ebc: EmbeddingBagCollection, num_dense: int, device: torch.device)
     model = LogisticRegression(ebc, num_dense=num_dense)
     model.dense_arch.to(device)
     return model
+
+
+def interaction_order(model: nn.Module, tables: list[EmbeddingBagConfig]) -> list[str]:
+    """The sparse features in the order the model's interaction layer consumes their pooled embeddings.
+
+    DLRM and DCN stack the pooled embeddings in their ``SparseArch``'s ``sparse_feature_names`` order
+    (which is not the order of a checkpoint's sorted state-dict keys); the logistic model sums them, in
+    the collection's table order. ``model`` may be wrapped (``TrainModel``, DistributedModelParallel).
+    """
+    inner = model
+    for attr in ("module", "model"):  # DistributedModelParallel.module, then TrainModel.model
+        inner = getattr(inner, attr, inner)
+    names = getattr(getattr(inner, "sparse_arch", None), "sparse_feature_names", None)
+    if names is None:
+        names = [f for t in tables for f in t.feature_names]
+    return list(names)
 
 
 class TrainModel(nn.Module):

@@ -27,6 +27,9 @@ class TrainConfig:
         dense_learning_rate: its learning rate.
         log_every: steps between progress records in metrics.jsonl.
         checkpoint_every: steps between checkpoints (0: only at the end).
+        final_checkpoint: write a checkpoint when training ends (whatever ``checkpoint_every`` is), so
+            that every run can be evaluated, exported and resumed; false: none at the end (then
+            ``checkpoint_every = 0`` writes no checkpoint at all).
         keep_checkpoints: how many of the newest checkpoints to keep.
         threads_per_rank: intra-op threads per rank (0: cores divided by local ranks).
         collective_timeout_s: how long a rank waits in a collective (all-to-all, barrier) for its peers
@@ -41,6 +44,7 @@ class TrainConfig:
     dense_learning_rate: float = 0.05
     log_every: int = 20
     checkpoint_every: int = 0
+    final_checkpoint: bool = True
     keep_checkpoints: int = 2
     threads_per_rank: int = 0
     collective_timeout_s: float = 1800.0
@@ -60,6 +64,8 @@ class TrainConfig:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if not isinstance(self.final_checkpoint, bool):
+            raise ValueError(f"final_checkpoint must be true or false, got {self.final_checkpoint!r}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.threads_per_rank < 0:

@@ -40,6 +40,7 @@ from recsys.distributed import DistEnv
 from recsys.errors import UserError
 from recsys.health import StepHealth
 from recsys.metrics import MetricsLog, auc_logloss, rewind_metrics, write_json
+from recsys.models import interaction_order
 from recsys.selection import BestTracker
 from recsys.tier_metrics import TierMetrics
 from recsys.tiered import EVAL, TieredTables
@@ -79,6 +80,8 @@ class RunState:
     def save(self, into: Checkpoint) -> list[Path]:
         t = self.trainer
         into.meta["fingerprint"] = model_fingerprint(t.config)
+        # The order of the sparse features in the model's interaction: serving stacks them so.
+        into.meta["features"] = interaction_order(t.dmp, t.tables)
         into.meta["trainer"] = {"selection": t.selection.state(), "held_out": t.held_out}
         return []
 

@@ -11,7 +11,8 @@ from recsys.config import RunConfig, config_to_dict
 # (store, pipeline, eval) change none. Every other key does, including keys added later.
 _NOT_MODEL: dict[str, frozenset[str]] = {
     "train": frozenset(
-        {"steps", "nproc", "log_every", "checkpoint_every", "keep_checkpoints", "threads_per_rank"}
+        {"steps", "nproc", "log_every", "checkpoint_every", "final_checkpoint", "keep_checkpoints"}
+        | {"threads_per_rank"}
         | {"collective_timeout_s"}
     ),
     "model": frozenset(),

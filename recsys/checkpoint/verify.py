@@ -102,6 +102,14 @@ def _meta_problem(path: Path, meta: Any) -> str | None:
         return f"world_size must be an integer >= 1, got {_short(world)}"
     if meta.get("fingerprint") is not None and not isinstance(meta["fingerprint"], dict):
         return f"fingerprint must be an object, got {_short(meta['fingerprint'])}"
+    features = meta.get("features")
+    if features is not None and (
+        not isinstance(features, list)
+        or not features
+        or not all(isinstance(f, str) and f for f in features)
+        or len(set(features)) != len(features)
+    ):
+        return f"features must be a list of distinct feature names, got {_short(features)}"
     if not isinstance(files, dict):
         return f"the manifest (files) must be an object, got {type(files).__name__}"
     ranks = set()
@@ -126,8 +134,9 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
     entry has its size and checksum. Nothing outside ``path`` is opened.
 
     Returns:
-        ``{"format", "step", "world_size", "files", "fingerprint", "trainer"}``; ``fingerprint`` and
-        ``trainer`` are None when the checkpoint was saved without them.
+        ``{"format", "step", "world_size", "files", "fingerprint", "trainer", "features"}``;
+        ``fingerprint``, ``trainer`` and ``features`` (the model's interaction order of its sparse
+        features) are None when the checkpoint was saved without them.
 
     Raises:
         CheckpointError: one line naming the problem and the offending value.
@@ -141,7 +150,8 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: unreadable {META} ({err})") from None
     if (problem := _meta_problem(path, meta)) is not None:
         raise CheckpointError(f"{path / META}: {problem}")
-    return {key: meta.get(key) for key in ("format", "step", "world_size", "files", "fingerprint", "trainer")}
+    keys = ("format", "step", "world_size", "files", "fingerprint", "trainer", "features")
+    return {key: meta.get(key) for key in keys}
 
 
 def _check_file(path: Path, name: str, entry: dict[str, Any]) -> str | None:

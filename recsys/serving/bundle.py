@@ -39,8 +39,11 @@ __all__ = [
 ]
 
 FORMAT = "tierrec-serving-bundle"
-# Version 1: the layout above. A reader refuses any other version rather than guess at its meaning.
-VERSION = 1
+# Version 2: the layout above, and model.json records the order in which the model's interaction
+# consumes the sparse features (``interaction_order``). Version 1 bundles listed the features in the
+# checkpoint's sorted key order, which is not the model's: a reader refuses any other version rather
+# than guess at its meaning.
+VERSION = 2
 MANIFEST = "manifest.json"
 MODEL, DENSE, TABLES, TIERED = "model.json", "dense.safetensors", "tables.safetensors", "tiered/data.mdb"
 FILES = (MODEL, DENSE, TABLES, TIERED)
@@ -197,6 +200,23 @@ def _features(path: Path, model: dict[str, Any], has_tiered: bool) -> tuple[Feat
         out.append(spec)
     if not out:
         raise _fail(path, f"{MODEL} lists no features")
+    order = model.get("interaction_order")
+    names = [f.name for f in out]
+    if (
+        not isinstance(order, list)
+        or sorted(map(str, order)) != sorted(names)
+        or len(set(names)) != len(names)
+    ):
+        raise _fail(
+            path,
+            f"{MODEL}: the interaction order {str(order)[:80]} does not name each of the features {names[:8]} "
+            "once; export the checkpoint again with `recsys export`",
+        )
+    bad = [f.name for f in out if f.table != f"t_{f.name}"]
+    if bad:
+        raise _fail(path, f"{MODEL}: feature {bad[0]!r} is not served by its table t_{bad[0]} (altered?)")
+    position = {name: i for i, name in enumerate(order)}
+    out.sort(key=lambda f: position[f.name])  # the scorer stacks pooled embeddings in this order
     if any(f.kind == "tiered" for f in out) and not has_tiered:
         raise _fail(path, f"incomplete: the model has tiered tables but the manifest lists no {TIERED}")
     return tuple(out)

@@ -290,7 +290,8 @@ def export_bundle(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        report = _write(path, tmp, config=config, world=int(meta["world_size"]), options=options)
+        order = meta.get("features") or _dataset_order(config)
+        report = _write(path, tmp, config=config, world=int(meta["world_size"]), order=order, options=options)
         model = {
             **report.pop("model"),
             "source": {
@@ -323,6 +324,14 @@ def export_bundle(
     return report
 
 
+def _dataset_order(config: Any) -> list[str]:
+    """The sparse features in the dataset's order, which the model was built in, for a checkpoint saved
+    before checkpoints recorded the model's order (``meta.json``'s ``features``)."""
+    from recsys.data.source import build_dataset
+
+    return list(build_dataset(config.data, synthetic=config.synthetic, seed=config.train.seed).feature_names)
+
+
 def _digest_of(run: Path, step: int) -> str | None:
     """``summary.json``'s model digest when it describes this step (the final checkpoint), else None."""
     with contextlib.suppress(OSError, ValueError):
@@ -332,10 +341,17 @@ def _digest_of(run: Path, step: int) -> str | None:
     return None
 
 
-def _write(checkpoint: Path, out: Path, *, config: Any, world: int, options: ExportOptions) -> dict[str, Any]:
-    """Write dense.safetensors, tables.safetensors and tiered/data.mdb; returns the model description."""
+def _write(
+    checkpoint: Path, out: Path, *, config: Any, world: int, order: list[str], options: ExportOptions
+) -> dict[str, Any]:
+    """Write dense.safetensors, tables.safetensors and tiered/data.mdb; returns the model description.
+    ``order``: the sparse features in the order the model's interaction consumes them."""
     first = _load_rank(checkpoint, 0)
     table_keys = {m["table"]: key for key in first["model"] if (m := _TABLE_KEY.search(key))}
+    if sorted(f"t_{f}" for f in order) != sorted(table_keys):
+        raise UserError(
+            f"checkpoint {checkpoint}: the model's features {order} do not match its tables {sorted(table_keys)}"
+        )
     dense = {k: v for k, v in first["model"].items() if not _TABLE_KEY.search(k)}
     bad = sorted(
         k for k, v in dense.items() if not isinstance(v, torch.Tensor) or v.dtype not in _SAFETENSORS_DTYPES
@@ -413,14 +429,16 @@ def _write(checkpoint: Path, out: Path, *, config: Any, world: int, options: Exp
                 )  # fmt: skip
         finally:
             writer.close()
-    order = {t: i for i, t in enumerate(table_keys)}
-    features.sort(key=lambda f: order[f["table"]])  # the model's feature order (its interaction order)
+    # The model's feature order (its interaction's), never the state dict's (sorted) key order.
+    position = {f"t_{name}": i for i, name in enumerate(order)}
+    features.sort(key=lambda f: position[f["table"]])
     optimizer = OptimizerKind(config.sparse.optimizer.value)
     dim = features[0]["dim"]
     kept = optimizer.state_floats(dim) if options.keep_optimizer_state else 0
     model = {
         "model": _arch(config),
         "num_dense": num_dense,
+        "interaction_order": list(order),
         "features": features,
         "init": {"seed": config.train.seed, "scale": config.sparse.init_scale},
         "row_floats": row_floats if row_floats is not None else dim + kept,

@@ -38,9 +38,7 @@ def find_checkpoint(run: Path, which: str | None) -> Path:
     if which is None:
         path = latest_checkpoint(root)
         if path is None:
-            raise UserError(
-                f"--run {run}: no complete checkpoint under {root} (train with train.checkpoint_every > 0)"
-            )
+            raise UserError(f"--run {run}: no complete checkpoint under {root}{_why_none(run)}")
     elif which == "best":  # the checkpoint of the best evaluation (eval.every > 0), kept in DIR/best
         path = latest_checkpoint(run / "best")
         if path is None:
@@ -63,6 +61,24 @@ def find_checkpoint(run: Path, which: str | None) -> Path:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UserError(f"checkpoint {path} is damaged: {problems[0]}{more}")
     return path
+
+
+def _why_none(run: Path) -> str:
+    """Why a run has no checkpoint, when its summary says it was asked for none."""
+    try:
+        train = json.loads((run / "summary.json").read_text(encoding="utf-8"))["config"]["train"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return " (was the run stopped before its first checkpoint?)"
+    if (
+        isinstance(train, dict)
+        and train.get("final_checkpoint") is False
+        and not train.get("checkpoint_every")
+    ):
+        return (
+            " (the run was trained with train.final_checkpoint = false and train.checkpoint_every = 0, "
+            "which write none; train again without them)"
+        )
+    return " (was the run stopped before its first checkpoint?)"
 
 
 def _config_tree(run: Path, checkpoint: Path) -> tuple[dict[str, Any], Path]:

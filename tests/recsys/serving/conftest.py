@@ -30,14 +30,23 @@ STEPS = 20
 RUNS: dict[str, dict[str, Any]] = {
     # 2 ranks, table-wise: each table whole on one rank.
     "table_wise_2": {"train": {"nproc": 2}, "sparse": {"sharding": "table_wise"}},
-    # 2 ranks, row-wise: every table spread over both ranks (plain shards by offset, tiered rows by hash).
-    "row_wise_2": {"train": {"nproc": 2}, "sparse": {"sharding": "row_wise"}},
-    # 1 rank, DLRM-DCNv2.
-    "dcn_1": {"train": {"nproc": 1}, "model": {"name": "dcn", "dcn_low_rank_dim": 4}},
+    # 2 ranks, row-wise: every table spread over both ranks (plain shards by offset, tiered rows by hash);
+    # 12 features, whose names do not sort in the model's order (cat_10 before cat_2).
+    "row_wise_2": {
+        "train": {"nproc": 2},
+        "sparse": {"sharding": "row_wise"},
+        "synthetic": {"num_sparse": 12},
+    },
+    # 1 rank, DLRM-DCNv2, 12 features as above.
+    "dcn_1": {
+        "train": {"nproc": 1},
+        "model": {"name": "dcn", "dcn_low_rank_dim": 4},
+        "synthetic": {"num_sparse": 12},
+    },
     # 2 ranks, table-wise, bags of 1 to 3 ids per feature (slow tests only).
     "multi_hot_2": {"train": {"nproc": 2}, "synthetic": {"multi_hot": 3}},
     # 1 rank, logistic regression (4-wide rows; slow tests only).
-    "logistic_1": {"train": {"nproc": 1}, "model": {"name": "logistic"}},
+    "logistic_1": {"train": {"nproc": 1}, "model": {"name": "logistic"}, "synthetic": {"num_sparse": 12}},
 }
 
 

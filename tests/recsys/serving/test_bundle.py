@@ -52,8 +52,8 @@ def test_a_complete_bundle_reads(bundle):
         (lambda b: (b / "notes.txt").write_text("hi"), "notes.txt is not listed in manifest.json"),
         (lambda b: (b / "manifest.json").write_text("{"), "manifest.json is not JSON"),
         (
-            lambda b: (b / "manifest.json").write_text(json.dumps({**_manifest(b), "version": 2})),
-            "format version 2, but this tierrec reads version 1",
+            lambda b: (b / "manifest.json").write_text(json.dumps({**_manifest(b), "version": 1})),
+            "format version 1, but this tierrec reads version 2; export the checkpoint again",
         ),
         (
             lambda b: (b / "manifest.json").write_text(
@@ -104,6 +104,41 @@ def test_predict_on_a_damaged_bundle_exits_2_with_one_line(bundle, tmp_path):
         f"recsys: error: bundle {bundle}: dense.safetensors is altered (checksum mismatch)"
     ]
     assert not (tmp_path / "s.csv").exists()
+
+
+def _rewrite_model(bundle, change):
+    """Alter model.json and re-hash it in the manifest, as a hand edit that keeps the checksums would."""
+    from recsys.serving.bundle import describe_files
+
+    model = json.loads((bundle / "model.json").read_text())
+    change(model)
+    (bundle / "model.json").write_text(json.dumps(model))
+    manifest = _manifest(bundle)
+    manifest["files"].update(describe_files(bundle, ["model.json"]))
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.pop("interaction_order"),
+        lambda m: m.update(interaction_order=m["interaction_order"][:-1]),
+        lambda m: m.update(interaction_order=m["interaction_order"][:-1] + m["interaction_order"][:1]),
+    ],
+    ids=["missing", "short", "repeated"],
+)
+def test_a_bundle_without_a_true_interaction_order_is_refused(bundle, change):
+    _rewrite_model(bundle, change)
+    with pytest.raises(BundleError, match="export the checkpoint again") as err:
+        read_bundle(bundle)
+    assert "\n" not in str(err.value)
+
+
+def test_the_scorer_stacks_features_in_the_recorded_order(bundle):
+    """Features listed in another order in model.json are served in the interaction order."""
+    _rewrite_model(bundle, lambda m: m.update(features=m["features"][::-1]))
+    order = json.loads((bundle / "model.json").read_text())["interaction_order"]
+    assert [f.name for f in read_bundle(bundle).features] == order
 
 
 def test_no_pickle_anywhere_in_a_bundle(exported):

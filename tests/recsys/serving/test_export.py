@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -103,4 +102,28 @@ def test_final_step_bundle_records_the_digest(trained, exported):
     assert model["source"]["step"] == STEPS
     assert model["source"]["model_digest"] == summary(trained("dcn_1"))["model_digest"]
     assert model["model"]["name"] == "dcn" and model["num_dense"] == 13
-    assert np.array([f["name"] for f in model["features"]]).tolist() == ["cat_0", "cat_1", "cat_2", "cat_3"]
+    # The model's interaction order, not the checkpoint's sorted keys (cat_0, cat_1, cat_10, cat_11, cat_2, …).
+    names = [f"cat_{i}" for i in range(12)]
+    assert model["interaction_order"] == names != sorted(names)
+    assert [f["name"] for f in model["features"]] == names
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_checkpoint_every_zero_checkpoints_only_at_the_end(tmp_path, final):
+    """``checkpoint_every = 0`` means "only at the end" (exportable); ``final_checkpoint = false`` writes
+    none, and export says why."""
+    from tests.conftest import subprocess_env
+    from tests.recsys.tiny import run_train, tiny_config
+
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_config(train={"steps": 6, "checkpoint_every": 0, "final_checkpoint": final}))
+    run_train(config, tmp_path / "run", env=subprocess_env())
+    steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    if final:
+        assert steps == ["step_00000006"]
+        report = export_bundle(tmp_path / "run", tmp_path / "b")
+        assert report["step"] == 6
+    else:
+        assert steps == []
+        with pytest.raises(UserError, match="train.final_checkpoint = false"):
+            export_bundle(tmp_path / "run", tmp_path / "b")
