@@ -3,6 +3,7 @@
 ``recsys train --config FILE [--set section.key=value ...] [--out DIR] [--nproc N] [--resume]``
 ``recsys preprocess FILE... --out DIR [--no-label] [--on-error raise|skip]`` (Criteo TSV → TorchRec npy)
 ``recsys tune-cache --config FILE --device-budget SIZE --host-budget SIZE [--batches N] --out DIR``
+``recsys plot --run DIR [--out FILE.png]`` (one PNG of a run's curves; reads JSON only)
 
 User errors (bad config keys or values, missing files, bad ``--set`` syntax) print one line and exit
 with code 2. Without torchrun, ``train`` spawns ``train.nproc`` local worker processes itself.
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--nproc", type=int, default=None, help="ranks of the run (overrides train.nproc)")
     tune.add_argument("--out", required=True, type=Path, help="folder for tune.json, tune.md and plots")
     serving.register(sub)  # evaluate, export, predict
+    plot = sub.add_parser("plot", help="draw a run's loss, held-out metrics and tier hit rates as one PNG")
+    plot.add_argument("--run", required=True, type=Path, help="run directory (as given to train --out)")
+    plot.add_argument("--out", type=Path, default=None, help="PNG file (default: DIR/curves.png)")
     return parser
 
 
@@ -211,6 +215,7 @@ def _print_done(summary: dict, out: Path) -> None:
     for line in summary_lines(summary):
         print(line)
     print(f"wrote {out / 'summary.json'} and {out / 'metrics.jsonl'}")
+    print(f"curves: recsys plot --run {shlex.quote(str(out))}")
 
 
 def _train_seeds(args: argparse.Namespace, overrides: list[str], out: Path) -> int:
@@ -326,6 +331,22 @@ def _tune_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from recsys.errors import UserError
+    from recsys.plot import describe, plot_run  # JSON and matplotlib only: no torch
+
+    try:
+        path, curves, torn = plot_run(args.run, args.out)
+    except UserError as err:
+        return _fail(str(err))
+    if torn:
+        print("note: left out the unfinished last line of metrics.jsonl (a run still writing?)")
+    for line in describe(curves):
+        print(line)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
@@ -336,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         return _preprocess(args)
     if args.command == "tune-cache":
         return _tune_cache(args)
+    if args.command == "plot":
+        return _plot(args)
     if args.command in serving.COMMANDS:
         return serving.run(args)
     return _fail(f"unknown command {args.command!r}")

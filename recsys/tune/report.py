@@ -7,11 +7,10 @@ import shlex
 from pathlib import Path
 
 from recsys.metrics import write_json
+from recsys.plot import PLOTS_HINT
 from recsys.tune.tuner import TuneResult
 
 __all__ = ["write_outputs", "PLOTS_HINT"]
-
-PLOTS_HINT = "plots need matplotlib: pip install 'tierrec[plots]' (or pip install matplotlib)"
 
 
 def write_outputs(

@@ -47,6 +47,7 @@ def test_cli_surface_is_frozen():
     assert sorted(build_parser()._subparsers._group_actions[0].choices) == [  # type: ignore[union-attr]
         "evaluate",
         "export",
+        "plot",
         "predict",
         "preprocess",
         "train",
