@@ -133,6 +133,11 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     """
     cfg = config
     data = build_dataset(cfg.data, synthetic=cfg.synthetic, seed=cfg.train.seed)
+    data_spec = getattr(data, "spec", None)
+    if data_spec is not None and not data_spec.read.has_label:
+        raise UserError(
+            f"{data_spec.path}: [read] has_label = false (data without labels) cannot be trained on"
+        )
     features = data.feature_names
     tiered = tiered_features(cfg.store, features)
     capacities = Capacities.resolve(cfg.store, tiered, row_bytes=row_bytes(cfg.sparse, cfg.model.table_dim))

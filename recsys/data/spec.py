@@ -163,7 +163,7 @@ class ReadSpec:
     header: bool = True
     columns: tuple[str, ...] = ()
     layout: str = "kaggle"  # criteo_tsv: "kaggle" (train.txt/test.txt) or "terabyte" (day_0 … day_23)
-    has_label: bool = True  # criteo_tsv: Kaggle's test.txt has no label column
+    has_label: bool = True  # false: no label column (Kaggle's test.txt, data to score); not for training
     encoding_errors: str = "replace"
 
 

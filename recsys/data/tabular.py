@@ -268,7 +268,8 @@ def _transform(d: DenseSpec, values: np.ndarray, missing: np.ndarray) -> tuple[n
 
 def needed_columns(spec: DatasetSpec) -> set[str]:
     cols = {d.column or d.name for d in spec.dense} | {s.column or s.name for s in spec.sparse}
-    cols.add(spec.label.column)
+    if spec.read.has_label:
+        cols.add(spec.label.column)
     if spec.split.order_by:
         cols.add(spec.split.order_by)
     return cols
@@ -325,14 +326,17 @@ def to_block(
             )
         side, rows = found
         ids.append(side.sparse[s.name].take(rows))
-    values, missing = numeric(spec.label.column)
-    if spec.label.threshold is not None:
-        labels = (values >= spec.label.threshold).astype(np.float32)
-    else:
-        labels = values.astype(np.float32)
-        problems.add_rows(
-            table.lines, (labels != 0) & (labels != 1), f"label {spec.label.column!r}: not 0 or 1"
-        )
-    problems.add_rows(table.lines, missing, f"label {spec.label.column!r}: missing")
+    if spec.read.has_label:
+        values, missing = numeric(spec.label.column)
+        if spec.label.threshold is not None:
+            labels = (values >= spec.label.threshold).astype(np.float32)
+        else:
+            labels = values.astype(np.float32)
+            problems.add_rows(
+                table.lines, (labels != 0) & (labels != 1), f"label {spec.label.column!r}: not 0 or 1"
+            )
+        problems.add_rows(table.lines, missing, f"label {spec.label.column!r}: missing")
+    else:  # data to score, without labels (read as 0, as criteo_tsv's has_label = false does)
+        labels = np.zeros(n, dtype=np.float32)
     order = numeric(spec.split.order_by)[0] if spec.split.order_by else None
     return Block(dense, tuple(ids), labels), order
