@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from recsys.cli import main
-from recsys.plot import PLOTS_HINT, curves, read_records
+from recsys.plot import PLOTS_HINT, curves, read_records, table_rates
 from tests.conftest import subprocess_env
 from tests.recsys.tiny import run_train, tiny_config
 
@@ -55,8 +55,8 @@ def test_plot_of_a_real_run_is_a_png(trained, tmp_path, capsys):
 
 
 def test_default_out_is_curves_png_in_the_run(trained, tmp_path):
-    run = shutil.copytree(trained[0] / "best", tmp_path / "run" / "best")
-    run = run.parent
+    run = tmp_path / "run"
+    run.mkdir()
     shutil.copy(trained[0] / "metrics.jsonl", run)
     shutil.copy(trained[0] / "summary.json", run)
     assert main(["plot", "--run", str(run)]) == 0
@@ -77,6 +77,16 @@ def test_curves_hold_the_file_values_and_the_best_step_is_the_argmin(trained):
     assert (c.best_step, c.best_logloss) == (best["step"], best["logloss"])
     assert c.constant_logloss == evals[-1]["constant_logloss"]
     assert c.best_auc_step == max(evals, key=lambda r: r["auc"])["step"]
+
+
+def test_table_rates_come_from_the_summary_in_natural_order(trained):
+    summary = json.loads((trained[0] / "summary.json").read_text())
+    rates = table_rates({"tiers": {f"t_cat_{i}": summary["tiers"]["t_cat_0"] for i in (10, 2, 1)}})
+    assert list(rates) == ["t_cat_1", "t_cat_2", "t_cat_10"]
+    assert rates["t_cat_2"] == {
+        k: summary["tiers"]["t_cat_0"][k] for k in ("device_hit_rate", "host_hit_rate")
+    }
+    assert table_rates({}) == {} and table_rates({"tiers": {"t": "bad"}}) == {}
 
 
 def test_overfitting_is_found_and_ties_keep_the_earliest():
