@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys.data.batch import Batch
+if TYPE_CHECKING:  # to_batch imports them: the readers themselves need no torch or TorchRec (serving)
+    from recsys.data.batch import Batch
 
 __all__ = ["Jagged", "Block"]
 
@@ -111,6 +111,11 @@ class Block:
 
     def to_batch(self, feature_names: list[str]) -> Batch:
         """A trainer :class:`Batch`; the KJT is feature-major, one key per sparse feature."""
+        import torch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        from recsys.data.batch import Batch
+
         values = np.concatenate([j.values for j in self.ids]) if self.ids else np.zeros(0, np.int64)
         lengths = np.concatenate([j.lengths for j in self.ids]) if self.ids else np.zeros(0, np.int64)
         kjt = KeyedJaggedTensor.from_lengths_sync(
