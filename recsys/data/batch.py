@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
-__all__ = ["Batch"]
+from recsys.data.block import Block
+
+__all__ = ["Batch", "block_batch"]
 
 
 @dataclass
@@ -43,3 +46,20 @@ class Batch(Pipelineable):
     @property
     def batch_size(self) -> int:
         return int(self.labels.shape[0])
+
+
+def block_batch(block: Block, feature_names: list[str]) -> Batch:
+    """A trainer :class:`Batch` of a block's samples; the KJT is feature-major, one key per sparse feature."""
+    ids = block.ids
+    values = np.concatenate([j.values for j in ids]) if ids else np.zeros(0, np.int64)
+    lengths = np.concatenate([j.lengths for j in ids]) if ids else np.zeros(0, np.int64)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=feature_names,
+        values=torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
+        lengths=torch.from_numpy(lengths.astype(np.int32)),
+    )
+    return Batch(
+        dense=torch.from_numpy(np.ascontiguousarray(block.dense, dtype=np.float32)),
+        sparse=kjt,
+        labels=torch.from_numpy(np.ascontiguousarray(block.labels, dtype=np.float32)),
+    )

@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:  # to_batch imports them: the readers themselves need no torch or TorchRec (serving)
-    from recsys.data.batch import Batch
 
 __all__ = ["Jagged", "Block"]
 
@@ -107,24 +103,4 @@ class Block:
             np.concatenate([p.dense for p in parts]),
             tuple(Jagged.concat([p.ids[f] for p in parts]) for f in range(num_sparse)),
             np.concatenate([p.labels for p in parts]),
-        )
-
-    def to_batch(self, feature_names: list[str]) -> Batch:
-        """A trainer :class:`Batch`; the KJT is feature-major, one key per sparse feature."""
-        import torch
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-        from recsys.data.batch import Batch
-
-        values = np.concatenate([j.values for j in self.ids]) if self.ids else np.zeros(0, np.int64)
-        lengths = np.concatenate([j.lengths for j in self.ids]) if self.ids else np.zeros(0, np.int64)
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=feature_names,
-            values=torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
-            lengths=torch.from_numpy(lengths.astype(np.int32)),
-        )
-        return Batch(
-            dense=torch.from_numpy(np.ascontiguousarray(self.dense, dtype=np.float32)),
-            sparse=kjt,
-            labels=torch.from_numpy(np.ascontiguousarray(self.labels, dtype=np.float32)),
         )

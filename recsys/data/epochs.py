@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from recsys.data.batch import Batch
+from recsys.data.batch import Batch, block_batch
 from recsys.data.block import Block
 from recsys.data.row_sources import MemorySource, RowSource, rebatch
 from recsys.errors import UserError
@@ -66,7 +66,7 @@ def train_batches_of(
             first = 0
 
     for block in rebatch(endless(), batch_size):
-        yield block.slice(lo, hi).to_batch(feature_names)
+        yield block_batch(block.slice(lo, hi), feature_names)
 
 
 def _memory_batches(
@@ -102,7 +102,7 @@ def _memory_batches(
                 index[sel] = perm(int(e))[offset[sel]]
         else:
             index = offset
-        yield block.take(index).to_batch(feature_names)
+        yield block_batch(block.take(index), feature_names)
         step += 1
 
 
@@ -113,7 +113,7 @@ def eval_batches_of(
     for block in rebatch(source.blocks(), batch_size * world_size):
         lo, hi = _local(rank, world_size, block.num_rows)
         if hi > lo:
-            yield block.slice(lo, hi).to_batch(feature_names)
+            yield block_batch(block.slice(lo, hi), feature_names)
 
 
 class SplitDataset:
