@@ -19,7 +19,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from tqdm import tqdm
 
 from pipelines import StagedPipeline
-from recsys.capacities import Capacities
+from recsys.capacities import Capacities, mismatch_warning
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.data.source import Dataset, build_dataset
@@ -142,6 +142,15 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     tiered = tiered_features(cfg.store, features)
     capacities = Capacities.resolve(cfg.store, tiered, row_bytes=row_bytes(cfg.sparse, cfg.model.table_dim))
     owners = env.world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
+    if env.is_main:
+        for note in capacities.notes:
+            log.info(note)
+        planned = {
+            f"t_{f}": {"device_rows": d, "host_rows": capacities.host_rows[f], "owners": owners}
+            for f, d in capacities.device_rows.items()
+        }
+        for table, differ in capacities.mismatches(planned).items():
+            log.warning(mismatch_warning(table, differ))  # summary.json repeats it with what ran
     num_embeddings = [
         capacities.device_rows[f] * owners if f in tiered else min(space, cfg.sparse.max_rows_per_table)
         for f, space in zip(features, data.id_spaces, strict=True)

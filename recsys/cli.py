@@ -167,7 +167,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
         check_source(config.data)  # a bad dataset spec fails here, before any worker starts
-        if config.store.capacities_from:  # fail before spawning workers
+        if config.store.tiered and config.store.capacities_from:  # fail before spawning workers
             from recsys.store_config import load_tune
 
             load_tune(config.store.capacities_from)
@@ -305,7 +305,8 @@ def _tune_cache(args: argparse.Namespace) -> int:
             config, device_budget=budgets["--device-budget"], host_budget=budgets["--host-budget"],
             batches=args.batches,
         )  # fmt: skip
-        paths = write_outputs(result, args.out, config_path=str(args.config), overrides=list(args.overrides))
+        # The apply: line repeats every override, --nproc's too: the tune's capacities are per owner.
+        paths = write_outputs(result, args.out, config_path=str(args.config), overrides=overrides)
     except UserError as err:
         return _fail(str(err))
     doc = result.doc
@@ -324,10 +325,9 @@ def _tune_cache(args: argparse.Namespace) -> int:
     if not any(p.suffix == ".png" for p in paths):
         print(f"note: {PLOTS_HINT}")
     print(f"wrote {', '.join(str(p) for p in paths)}")
-    sets = "".join(f" --set {shlex.quote(o)}" for o in args.overrides)
-    print(
-        f"apply: recsys train --config {args.config}{sets} --set store.capacities_from={args.out / 'tune.json'}"
-    )
+    sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
+    tune_json = shlex.quote(f"store.capacities_from={args.out / 'tune.json'}")
+    print(f"apply: recsys train --config {shlex.quote(str(args.config))}{sets} --set {tune_json}")
     return 0
 
 

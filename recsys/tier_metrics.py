@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recsys.capacities import Capacities
+from recsys.capacities import Capacities, mismatch_warning
 from recsys.tiered import TieredTables
 
 __all__ = ["COUNTERS", "PREDICTION_TOLERANCE", "THRASH_HIT_RATE", "TierMetrics", "rates_of"]
@@ -41,12 +41,11 @@ def rates_of(c: Mapping[str, float]) -> dict[str, float]:
     }
 
 
-def thrashing(table: str, rate: float, *, slots: int, over: str) -> str:
-    """The one warning of a thrashing device tier."""
-    feature = table.removeprefix("t_")
+def thrashing(table: str, rate: float, *, slots: int, over: str, key: str) -> str:
+    """The one warning of a thrashing device tier; ``key``: the setting that sizes its slots."""
     return (
         f"CACHE THRASHING: table {table} device hit rate {rate:.3f} over {over} with {slots:,} slots per "
-        f"owner; raise store.capacity.{feature}.device (`recsys tune-cache` recommends one)"
+        f"owner; raise {key} (`recsys tune-cache` recommends one)"
     )
 
 
@@ -124,8 +123,9 @@ class TierMetrics:
         if not (low and warm):
             return window, None
         worst = min(low, key=low.__getitem__)
-        slots = self.capacities.device_rows[worst.removeprefix("t_")]
-        return window, thrashing(worst, low[worst], slots=slots, over=f"the last {steps} steps")
+        feature = worst.removeprefix("t_")
+        slots, key = self.capacities.device_rows[feature], self.capacities.device_key(feature)
+        return window, thrashing(worst, low[worst], slots=slots, over=f"the last {steps} steps", key=key)
 
     # -- what the summary holds ---------------------------------------------------------------------
 
@@ -140,6 +140,25 @@ class TierMetrics:
                         if isinstance(value, int | float):
                             slot[key] = slot.get(key, 0) + value
         return total
+
+    def capacities_run(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None, list[str]]:
+        """Per tiered table, the capacities it ran with: ``device_rows`` and ``host_rows`` per owner (the
+        most of any owner), ``owners`` (the ranks holding a part of it) and ``from`` (the setting that
+        sized it); the tables whose capacities are not those tune.json predicted its hit rates for (None
+        without a tune); a warning for each of them (collective)."""
+        ran: dict[str, dict[str, int]] = {}
+        for part in self._gather(self.tables.capacity_rows):
+            for name, rows in part.items():
+                slot = ran.setdefault(name, {"device_rows": 0, "host_rows": 0, "owners": 0})
+                slot["device_rows"] = max(slot["device_rows"], rows["device_rows"])
+                slot["host_rows"] = max(slot["host_rows"], rows["host_rows"])
+                slot["owners"] += 1
+        ran = dict(sorted(ran.items()))
+        differ = self.capacities.mismatches(ran) if self.capacities.tuned else None
+        out = {n: {**c, "from": self.capacities.source.get(n.removeprefix("t_"), "")} for n, c in ran.items()}
+        if differ is None:
+            return out, None, []
+        return out, differ, [mismatch_warning(name, d) for name, d in differ.items()]
 
     def over_training(self, steps: int) -> tuple[dict[str, dict[str, float]], list[str]]:
         """Per tiered table, the rates over the training batches of all ranks beside tune.json's
@@ -165,7 +184,10 @@ class TierMetrics:
             out[name] = rates
             slots = self.capacities.device_rows[feature]
             if requests and rates["device_hit_rate"] < THRASH_HIT_RATE:
-                warnings.append(thrashing(name, rates["device_hit_rate"], slots=slots, over="training"))
+                key = self.capacities.device_key(feature)
+                warnings.append(
+                    thrashing(name, rates["device_hit_rate"], slots=slots, over="training", key=key)
+                )
             elif "predicted_device_hit_rate" in rates and (
                 rates["device_hit_rate"] < rates["predicted_device_hit_rate"] - PREDICTION_TOLERANCE
             ):

@@ -179,6 +179,8 @@ class TieredTables:
         self.path = plan.path / f"rank_{self.rank}"
         self.store: TieredStore | None = None
         self._shard = self._claim_shard(plan.path, world)
+        # What this rank's part of each table runs with: its slot shard's rows and its host rows.
+        self.capacity_rows: dict[str, dict[str, int]] = {}
         if shards:
             specs = [
                 TableSpec(
@@ -193,6 +195,13 @@ class TieredTables:
                 for name in sorted(shards)
             ]
             self._store_args = dict(config=plan.store, tables=specs)
+            self.capacity_rows = {
+                name: {
+                    "device_rows": int(shards[name].weight.shape[0]),
+                    "host_rows": plan.capacities.host_rows[self.feature[name]],
+                }
+                for name in sorted(shards)
+            }
             self._shards = shards
         self.lookahead = plan.store.lookahead_batches  # batches the routing stage runs ahead
 

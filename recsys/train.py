@@ -74,11 +74,15 @@ def _summary(trainer: Trainer, fit: dict[str, Any], *, started: float, resumed: 
     digest = trainer.digest()
     tiers: dict[str, Any] = {}
     warnings: list[str] = []
+    capacities: dict[str, dict[str, Any]] = {}
+    differ: dict[str, Any] | None = None
     if trainer.tier_metrics is not None:
         tiers = trainer.tier_metrics.store_stats()
         rates, warnings = trainer.tier_metrics.over_training(trainer.step)
         for name, values in rates.items():
             tiers.setdefault(name, {}).update(values)
+        capacities, differ, differ_warnings = trainer.tier_metrics.capacities_run()
+        warnings += differ_warnings
         if env.is_main:
             for message in warnings:
                 log.warning(message)
@@ -106,6 +110,8 @@ def _summary(trainer: Trainer, fit: dict[str, Any], *, started: float, resumed: 
         model_digest=digest,
         tiered=trainer.tiered is not None,
         tiers=tiers,
+        capacities=capacities,
+        capacities_differ_from_tune=differ,
         warnings=warnings,
         pipeline=trainer.pipeline_stats,
         wall_seconds=time.perf_counter() - started,

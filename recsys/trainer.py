@@ -377,7 +377,7 @@ class Trainer:
             need = {}
         slots = self.capacities.device_rows
         short = [
-            f"table t_{f} needs at least {n:,} device slots per owner (store.capacity.{f}.device is {slots[f]:,})"
+            f"table t_{f} needs at least {n:,} device slots per owner ({self.capacities.device_key(f)} is {slots[f]:,})"
             for f, n in need.items()
             if n > slots[f]
         ]

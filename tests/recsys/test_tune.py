@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def test_budget_below_the_working_set_exits_2_with_the_minimum(tmp_path, capsys)
     assert "cannot hold the batches in flight" in err and "need at least" in err
 
 
-def _tune(config: Path, out: Path, capsys) -> dict:
+def _tune(config: Path, out: Path, capsys, *flags: str) -> dict:
     code = main(
         [
             "tune-cache",
@@ -120,10 +121,30 @@ def _tune(config: Path, out: Path, capsys) -> dict:
             HOST,
             "--out",
             str(out),
+            *flags,
         ]
     )
     assert code == 0, capsys.readouterr().err
     return json.loads((out / "tune.json").read_text())
+
+
+def apply_line(printed: str) -> tuple[Path, list[str]]:
+    """The config and the ``--set`` overrides of the ``apply:`` line tune-cache printed, as a shell reads it."""
+    (line,) = [x for x in printed.splitlines() if x.startswith("apply: ")]
+    words = shlex.split(line.removeprefix("apply: "))
+    assert words[:3] == ["recsys", "train", "--config"], words
+    sets = words[4:]
+    assert sets[::2] == ["--set"] * (len(sets) // 2) and len(sets) % 2 == 0, words
+    return Path(words[3]), sets[1::2]
+
+
+def ran_with(summary: dict) -> dict[str, tuple[int, int]]:
+    """{table: (device_rows, host_rows)} that ``summary.json`` records each tiered table ran with."""
+    return {n: (c["device_rows"], c["host_rows"]) for n, c in summary["capacities"].items()}
+
+
+def tuned_rows(doc: dict) -> dict[str, tuple[int, int]]:
+    return {n: (t["device_rows"], t["host_rows"]) for n, t in doc["tables"].items()}
 
 
 def _train(python, cli_env, repo_root, config: Path, out: Path, *overrides: str) -> dict:
@@ -146,9 +167,24 @@ def _check_prediction(doc: dict, summary: dict) -> None:
         assert abs(measured["host_hit_rate"] - t["predicted_host_hit_rate"]) <= TOLERANCE, (name, measured)
 
 
+# A [store.capacity] section the tune's capacities must win over (cat_1: a size, rows of 36 bytes).
+SECTION = '\n[store.capacity]\ncat_0 = { device = 700, host = 0 }\ncat_1 = { device = "36KiB" }\n'
+
+
 def test_tuned_one_rank_run_measures_the_predicted_hit_rates(tmp_path, python, cli_env, repo_root, capsys):
-    config = write_config(tmp_path, every=60)  # evaluations pass through the caches mid-run
+    # evaluations pass through the caches mid-run; the config sizes two tables in [store.capacity]
+    config = write_config(tmp_path, every=60, extra=SECTION)
+    capsys.readouterr()
     doc = _tune(config, tmp_path / "tune", capsys)
+    applied_config, overrides = apply_line(capsys.readouterr().out)
+    # The printed line, applied to the config, gives every table the tune's capacities.
+    cfg = load_config(applied_config, overrides)
+    assert cfg.store.capacity  # the section is still there: capacities_from wins over it
+    caps = Capacities.resolve(
+        cfg.store, ["cat_0", "cat_1", "cat_2"], row_bytes=doc["tables"]["t_cat_0"]["row_bytes"]
+    )
+    assert {f"t_{f}": caps.of(f) for f in caps.device_rows} == tuned_rows(doc)
+    assert tuned_rows(doc)["t_cat_0"] != (700, 0)  # else the test could not tell the two apart
     for name in ("tune.json", "tune.md"):
         assert (tmp_path / "tune" / name).exists()
     assert "[store.capacity]" in doc["snippet"]
@@ -162,16 +198,35 @@ def test_tuned_one_rank_run_measures_the_predicted_hit_rates(tmp_path, python, c
     equal = doc["equal_split"]
     assert doc["total"]["predicted_device_hit_rate"] > equal["predicted_device_hit_rate"]
     assert doc["total"]["ssd_rows_per_step"] < equal["ssd_rows_per_step"]
-    tuned = tmp_path / "tune" / "tune.json"
-    summary = _train(
-        python,
-        cli_env,
-        repo_root,
-        config,
-        tmp_path / "run",
-        f"store.capacities_from={json.dumps(str(tuned))}",
-    )
+    summary = _train(python, cli_env, repo_root, applied_config, tmp_path / "run", *overrides)
+    assert ran_with(summary) == tuned_rows(doc)
+    assert {c["from"] for c in summary["capacities"].values()} == {"store.capacities_from"}
+    assert summary["capacities_differ_from_tune"] == {}
+    assert not any("predicted its hit rates for" in w for w in summary["warnings"])
     _check_prediction(doc, summary)
+
+
+def test_a_tune_for_other_owners_is_warned_about(tmp_path, python, cli_env, repo_root, capsys):
+    """Tuned for 1 rank, trained row-wise on 2 (the tune's apply: line left out): each table runs with
+    the tune's rows on two owners instead of one, and the run says so at its start and in summary.json."""
+    config = write_config(tmp_path, extra=SECTION)
+    capsys.readouterr()
+    doc = _tune(config, tmp_path / "tune", capsys, "--batches", "40", "--set", "sparse.sharding=row_wise")
+    _, overrides = apply_line(capsys.readouterr().out)
+    assert overrides[0] == "sparse.sharding=row_wise" and overrides[-1].startswith("store.capacities_from=")
+    args = [python, "-m", "recsys", "train", "--config", str(config), "--out", str(tmp_path / "run")]
+    args += ["--nproc", "2", "--set", "train.steps=40", *(w for o in overrides for w in ("--set", o))]
+    proc = subprocess.run(args, cwd=repo_root, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert ran_with(summary) == tuned_rows(doc)  # the same rows per owner, on two owners instead of one
+    differ = summary["capacities_differ_from_tune"]
+    assert set(differ) == set(doc["tables"])
+    for name, d in differ.items():
+        assert d["ran"]["owners"] == 2 and d["tune"]["owners"] == 1, (name, d)
+    warned = [w for w in summary["warnings"] if "predicted its hit rates for" in w]
+    assert len(warned) == len(doc["tables"])
+    assert proc.stderr.count("predicted its hit rates for") == 2 * len(doc["tables"])  # at start and end
 
 
 @pytest.mark.slow
