@@ -34,6 +34,7 @@ from recsys.checkpoint import (
 )
 from recsys.config import RunConfig, config_to_dict
 from recsys.data.batch import Batch
+from recsys.data.spec import spec_to_dict
 from recsys.data.stats import SplitStats, constant_logloss, split_stats_of
 from recsys.digest import dense_rows, model_digest
 from recsys.distributed import DistEnv
@@ -82,6 +83,9 @@ class RunState:
         into.meta["fingerprint"] = model_fingerprint(t.config)
         # The order of the sparse features in the model's interaction: serving stacks them so.
         into.meta["features"] = interaction_order(t.dmp, t.tables)
+        # The dataset spec's field transforms, which serving applies to raw records (recsys export).
+        spec = getattr(t.data, "spec", None)
+        into.meta["spec"] = None if spec is None else spec_to_dict(spec)
         into.meta["trainer"] = {"selection": t.selection.state(), "held_out": t.held_out}
         return []
 

@@ -110,6 +110,8 @@ def _meta_problem(path: Path, meta: Any) -> str | None:
         or len(set(features)) != len(features)
     ):
         return f"features must be a list of distinct feature names, got {_short(features)}"
+    if meta.get("spec") is not None and not isinstance(meta["spec"], dict):
+        return f"spec must be an object, got {_short(meta['spec'])}"
     if not isinstance(files, dict):
         return f"the manifest (files) must be an object, got {type(files).__name__}"
     ranks = set()
@@ -134,9 +136,10 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
     entry has its size and checksum. Nothing outside ``path`` is opened.
 
     Returns:
-        ``{"format", "step", "world_size", "files", "fingerprint", "trainer", "features"}``;
-        ``fingerprint``, ``trainer`` and ``features`` (the model's interaction order of its sparse
-        features) are None when the checkpoint was saved without them.
+        ``{"format", "step", "world_size", "files", "fingerprint", "trainer", "features", "spec"}``;
+        ``fingerprint``, ``trainer``, ``features`` (the model's interaction order of its sparse
+        features) and ``spec`` (the dataset spec, :func:`recsys.data.spec.spec_to_dict`) are None when
+        the checkpoint was saved without them (``spec``: or the data had none).
 
     Raises:
         CheckpointError: one line naming the problem and the offending value.
@@ -150,7 +153,7 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: unreadable {META} ({err})") from None
     if (problem := _meta_problem(path, meta)) is not None:
         raise CheckpointError(f"{path / META}: {problem}")
-    keys = ("format", "step", "world_size", "files", "fingerprint", "trainer", "features")
+    keys = ("format", "step", "world_size", "files", "fingerprint", "trainer", "features", "spec")
     return {key: meta.get(key) for key in keys}
 
 

@@ -20,6 +20,7 @@ their id spaces and multi-hot layout, the label and how to derive it) and the sp
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import re
@@ -42,6 +43,7 @@ __all__ = [
     "JoinSpec",
     "DatasetSpec",
     "load_spec",
+    "spec_to_dict",
     "read_text",
     "check_paths",
     "path_problem",
@@ -198,6 +200,27 @@ class DatasetSpec:
         if feature.id_space:
             return feature.id_space
         return 1 << 32 if feature.kind is SparseKind.HEX else HASHED_ID_SPACE
+
+
+def spec_to_dict(spec: DatasetSpec) -> dict[str, Any]:
+    """``spec`` as JSON-safe values that :func:`spec_from_dict` reads back, without where its files were
+    (``[source]``: paths of the training machine) and where the spec was read from (``path``)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, enum.Enum):
+            return value.value
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, tuple | list):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    out = plain(spec)
+    del out["path"], out["source"]
+    out["label"] = {k: v for k, v in out["label"].items() if v is not None}  # TOML has no null
+    return out
 
 
 def _build(cls: type, values: Any, where: str) -> Any:

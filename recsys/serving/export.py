@@ -291,6 +291,7 @@ def export_bundle(
     tmp.mkdir(parents=True)
     try:
         order = meta.get("features") or _dataset_order(config)
+        spec = meta.get("spec") if meta.get("features") else _config_spec(config)
         report = _write(path, tmp, config=config, world=int(meta["world_size"]), order=order, options=options)
         model = {
             **report.pop("model"),
@@ -303,6 +304,7 @@ def export_bundle(
                 "model_digest": _digest_of(run, int(meta["step"])),
             },
             "config": config_to_dict(config),
+            "spec": spec,  # the dataset spec's field transforms, for raw records (recsys.serving.raw)
         }
         (tmp / MODEL).write_text(json.dumps(model, indent=1) + "\n", encoding="utf-8")
         files = [MODEL, DENSE, TABLES] + ([TIERED] if (tmp / TIERED).exists() else [])
@@ -330,6 +332,14 @@ def _dataset_order(config: Any) -> list[str]:
     from recsys.data.source import build_dataset
 
     return list(build_dataset(config.data, synthetic=config.synthetic, seed=config.train.seed).feature_names)
+
+
+def _config_spec(config: Any) -> dict[str, Any] | None:
+    """The dataset spec the config names, for a checkpoint saved before checkpoints recorded it."""
+    from recsys.data.spec import load_spec, resolve_spec_path, spec_to_dict
+
+    path = None if config.data.source == "synthetic" else resolve_spec_path(config.data.source)
+    return None if path is None else spec_to_dict(load_spec(path))
 
 
 def _digest_of(run: Path, step: int) -> str | None:

@@ -17,9 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from embedding_store.init import init_rows
+from recsys.errors import UserError
 from recsys.serving.bundle import DENSE, TABLES, TIERED, Bundle, BundleError, FeatureSpec, read_bundle
 from recsys.serving.cache import CacheStats, LmdbRows, RowCache, open_rows
 from recsys.serving.model import build_dense_model
+from recsys.serving.raw import RawFields, bundle_spec
 
 __all__ = ["Scorer", "load_bundle", "UNSEEN"]
 
@@ -102,6 +104,11 @@ class Scorer:
         self.num_dense = bundle.num_dense
         self._seed, self._scale = bundle.init
         self._unseen = unseen
+        try:
+            self._spec = bundle_spec(bundle.model, f"bundle {bundle.path}: model.json")
+        except UserError as err:
+            raise BundleError(str(err)) from None
+        self._raw: RawFields | None = None
         dense = load_file(bundle.file(DENSE))
         try:
             model = build_dense_model(
@@ -186,6 +193,38 @@ class Scorer:
     def __call__(self, dense: Any, sparse: SparseInput) -> torch.Tensor:
         """``(B,)`` float32 click probabilities on the CPU."""
         return torch.sigmoid(self.logits(dense, sparse))
+
+    # -- raw records -------------------------------------------------------------------------------
+
+    def _fields(self) -> RawFields:
+        if self._raw is None:
+            if self._spec is None:
+                raise ValueError(
+                    "this model was trained on data without a dataset spec (synthetic data or a factory): "
+                    "score ids and dense values with scorer(dense, sparse)"
+                )
+            self._raw = RawFields(self._spec, self.features)
+        return self._raw
+
+    @property
+    def dense_names(self) -> list[str] | None:
+        """The dense features by name, in the order of the dense input (None without a dataset spec)."""
+        return None if self._spec is None else self._fields().dense_names
+
+    def encode(self, records: Any) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+        """The model inputs of raw records (:class:`recsys.serving.raw.RawFields`): ``(dense, sparse)``."""
+        return self._fields().encode(records)
+
+    def score(self, records: Any) -> torch.Tensor:
+        """``(N,)`` float32 click probabilities of raw records: mappings of column name to the value as
+        it appears in the training data (text or a number; None or ``""`` for an empty field), parsed and
+        transformed by the dataset spec the model was trained with.
+
+        Raises:
+            ValueError: a record lacks a column the model needs or holds a value the spec refuses (the
+                message names the record's index, the field and the value).
+        """
+        return self(*self.encode(records))
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Per tiered feature, its cache's counters (hit rate, rows read from LMDB, unseen ids)."""
