@@ -102,6 +102,7 @@ def parse_criteo(
         log_counts(counts),
         tuple(Jagged.single(by_feature[j]) for j in range(NUM_SPARSE)),
         label.astype(np.float32),
+        f.lines,  # the origin: lines of file 0 (the text source sets the file)
     )
     keep = problems.resolve(f.lines, issues)
     return block if keep is None else block.take(np.flatnonzero(keep))

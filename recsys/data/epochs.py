@@ -14,13 +14,16 @@ The held-out split is read once, in order; rank r takes the r-th contiguous shar
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recsys.data.batch import Batch, block_batch
 from recsys.data.block import Block
 from recsys.data.row_sources import MemorySource, RowSource, rebatch
 from recsys.errors import UserError
+
+if TYPE_CHECKING:  # batches need torch and TorchRec, imported when batches are made: the readers do not
+    from recsys.data.batch import Batch
 
 __all__ = ["SplitDataset", "train_batches_of", "eval_batches_of"]
 
@@ -45,6 +48,8 @@ def train_batches_of(
         raise UserError(
             f"the global batch size {batch_size} must be divisible by the world size {world_size}"
         )
+    from recsys.data.batch import block_batch
+
     lo, hi = _local(rank, world_size, batch_size)
     if isinstance(source, MemorySource):
         yield from _memory_batches(source.block, feature_names, lo, hi, batch_size, start_step, seed, shuffle)
@@ -79,6 +84,10 @@ def _memory_batches(
     seed: int,
     shuffle: bool,
 ) -> Iterator[Batch]:
+    from recsys.data.batch import block_batch
+
+    # Training has no use for the rows' origins: not gathering them keeps every step's take() as cheap.
+    block = Block(block.dense, block.ids, block.labels)
     total = block.num_rows
     if total == 0:
         raise UserError("the training split has no rows")
@@ -110,6 +119,8 @@ def eval_batches_of(
     source: RowSource, feature_names: list[str], *, rank: int, world_size: int, batch_size: int
 ) -> Iterator[Batch]:
     """This rank's disjoint share of the held-out split: the r-th slice of each block of B × W rows."""
+    from recsys.data.batch import block_batch
+
     for block in rebatch(source.blocks(), batch_size * world_size):
         lo, hi = _local(rank, world_size, block.num_rows)
         if hi > lo:

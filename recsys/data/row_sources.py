@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from recsys.data.block import Block, Jagged
+from recsys.data.block import Block, Jagged, pack_origin
 from recsys.data.chunks import after_lines, count_lines, iter_chunks
 from recsys.data.issues import NOT_FINITE, Issues, MalformedInputError, OnError, log_issues
 from recsys.data.parallel import ProcessParsePool, picklable, process_pool_available
@@ -36,7 +36,8 @@ __all__ = [
     "rebatch",
 ]
 
-# (data, first line, issues) -> (block, order key or None)
+# (data, first line, issues) -> (block, order key or None); the block's origin, when it has one, holds the
+# lines of its rows (file number 0: the text source sets the file's number).
 ChunkParser = Callable[[bytes, int, Issues], tuple[Block, np.ndarray | None]]
 
 
@@ -72,6 +73,9 @@ class TextReading:
 class TextSource:
     """Data lines ``[lo, hi)`` of text files read as one sequence (a header line per file is not data).
 
+    Blocks carry their rows' origins (file number ``first_file + k`` for ``files[k]``, the line in it)
+    when the parser gives lines.
+
     In the default ``raise`` mode every data line is a row, so skipping rows is counting newlines; with
     ``skip`` malformed lines are dropped and counted, and rows are counted by parsing.
 
@@ -90,9 +94,11 @@ class TextSource:
         on_error: OnError,
         lines: tuple[int, int | None] = (0, None),
         reading: TextReading | None = None,
+        first_file: int = 0,
     ) -> None:
         reading = reading or TextReading()
         self.files = files
+        self.first_file = first_file  # the file number of files[0] in the blocks' origins
         self.parse = parse
         self.header = reading.header
         self.on_error = on_error
@@ -174,6 +180,7 @@ class TextSource:
         processes = self.use_processes()
         # Bytes per chunk: 1 MiB for processes (fewer hand-overs), 512 KiB for threads.
         chunk_bytes = self._chunk_bytes or (1 << 20 if processes else 512 << 10)
+        number = {str(p): self.first_file + k for k, p in enumerate(self.files)}
         with self._pool(processes, chunk_bytes) as submit:
             pending: deque[tuple[str, Future]] = deque()
             chunks = self._chunks(lo, self.hi, chunk_bytes)
@@ -193,7 +200,8 @@ class TextSource:
                     log_issues(self.issues[current])
                 current = path_s
                 try:
-                    yield fut.result()
+                    block, keys = fut.result()
+                    yield block.with_file(number[path_s]), keys
                 except BaseException:
                     for _, other in pending:
                         other.cancel()
@@ -277,8 +285,10 @@ class NpySource:
         chunk_rows: int = 65536,
         on_error: OnError = OnError.RAISE,
         dense: Sequence[DenseSpec] = (),
+        first_file: int = 0,
     ):
         self.prefixes = list(prefixes)
+        self.first_file = first_file  # the file number of prefixes[0] in the blocks' origins
         self.parts = [tuple(_load_npy_part(p)) for p in prefixes]
         widths = {(a[0].shape[1], a[1].shape[1]) for a in self.parts}
         if len(widths) > 1:
@@ -326,8 +336,8 @@ class NpySource:
 
     def _blocks(self, lo: int) -> Iterator[Block]:
         base = 0
-        for prefix, (dense, sparse, labels), count in zip(
-            self.prefixes, self.parts, self.counts, strict=True
+        for k, (prefix, (dense, sparse, labels), count) in enumerate(
+            zip(self.prefixes, self.parts, self.counts, strict=True)
         ):
             issues = self.issues[str(prefix)]
             issues.counts.clear()  # counts describe the latest pass
@@ -344,6 +354,7 @@ class NpySource:
                     values,
                     tuple(Jagged.single(ids[:, j]) for j in range(ids.shape[1])),
                     np.asarray(labels[start:stop], dtype=np.float32).reshape(-1),
+                    pack_origin(self.first_file + k, np.arange(start + 1, stop + 1, dtype=np.int64)),
                 )
                 yield self._checked(block, prefix, start, issues)
             log_issues(issues)
@@ -363,7 +374,7 @@ class NpySource:
         bad_dense = nonfinite.any(axis=1)
         bad = bad_dense | bad_label
         if not bad.any():
-            return Block(dense, block.ids, block.labels)
+            return Block(dense, block.ids, block.labels, block.origin)
         if self.on_error is OnError.RAISE:
             row = int(np.flatnonzero(bad)[0])
             if bad_dense[row]:
@@ -374,7 +385,7 @@ class NpySource:
             raise MalformedInputError(f"{where}: {block.labels[row].item()!r}")
         issues.report(np.flatnonzero(bad_dense), f"dense value {NOT_FINITE}")
         issues.report(np.flatnonzero(bad_label & ~bad_dense), "label not 0 or 1")
-        return Block(dense, block.ids, block.labels).take(np.flatnonzero(~bad))
+        return Block(dense, block.ids, block.labels, block.origin).take(np.flatnonzero(~bad))
 
 
 def _npy_dense_rules(
@@ -416,7 +427,8 @@ class ParquetSource:
     """Rows ``[lo, hi)`` of Parquet files, read a record batch at a time (needs pyarrow).
 
     ``convert(batch, first_row, path)`` turns a record batch (rows from ``first_row`` of file ``path``)
-    into a block and its split keys.
+    into a block and its split keys; the block's origin, when it has one, holds 1-based row numbers
+    (the source sets the file number, ``first_file + k`` for ``files[k]``).
     """
 
     def __init__(
@@ -426,9 +438,11 @@ class ParquetSource:
         *,
         rows: tuple[int, int | None] = (0, None),
         batch_rows: int = 65536,
+        first_file: int = 0,
     ) -> None:
         import pyarrow.parquet as pq
 
+        self.first_file = first_file  # the file number of files[0] in the blocks' origins
         self.paths = list(files)
         self.files = [pq.ParquetFile(p) for p in files]
         self.counts = [f.metadata.num_rows for f in self.files]
@@ -443,13 +457,14 @@ class ParquetSource:
         """Blocks with their split keys."""
         lo = self.lo + skip_rows
         base = 0
-        for path, pf, count in zip(self.paths, self.files, self.counts, strict=True):
+        for k, (path, pf, count) in enumerate(zip(self.paths, self.files, self.counts, strict=True)):
             row = base
             if base + count > lo and base < self.hi:
                 for batch in pf.iter_batches(batch_size=self.batch_rows):
                     a, b = max(lo, row), min(self.hi, row + batch.num_rows)
                     if a < b:
-                        yield self.convert(batch.slice(a - row, b - a), a - base, path)
+                        block, keys = self.convert(batch.slice(a - row, b - a), a - base, path)
+                        yield block.with_file(self.first_file + k), keys
                     row += batch.num_rows
             base += count
 

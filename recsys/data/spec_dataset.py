@@ -9,7 +9,9 @@ not depend on the world size, and ``train_batches(start_step=k)`` resumes exactl
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +25,22 @@ from recsys.data.epochs import SplitDataset
 from recsys.data.fields import split_fields
 from recsys.data.issues import Issues, OnError, Problems
 from recsys.data.row_sources import MemorySource, NpySource, ParquetSource, RowSource, TextReading, TextSource
-from recsys.data.spec import DatasetSpec, Format, JoinSpec, inside_root, path_problem, quoted
+from recsys.data.spec import (
+    DatasetSpec,
+    Format,
+    JoinSpec,
+    SourceSpec,
+    SplitSpec,
+    inside_root,
+    path_problem,
+    quoted,
+)
 from recsys.data.split import SplitKeys, check_split_columns, merge_keys, row_keys, split_rows
 from recsys.data.stats import SplitStats, stats_of_source
 from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
 from recsys.errors import UserError
 
-__all__ = ["SpecDataset"]
+__all__ = ["SpecDataset", "data_columns", "input_dataset", "scoring_dataset", "without_missing_label"]
 
 log = logging.getLogger("recsys")
 
@@ -97,6 +108,85 @@ def _header(path: Path, delimiter: bytes) -> list[str]:
     return [c.decode("utf-8", "replace").split(":", 1)[0] for c in line.split(delimiter)]
 
 
+def _delimiter(spec: DatasetSpec) -> bytes:
+    return spec.read.delimiter.encode() if spec.format is not Format.RECBOLE else b"\t"
+
+
+def data_columns(spec: DatasetSpec, path: Path) -> list[str]:
+    """The column names of a data file of ``spec``: ``[read] columns``, else its header line (RecBole's
+    typed names without their type), a Parquet file's schema; empty for criteo_tsv and torchrec_npy.
+
+    Raises:
+        UserError: a text file without a header and no ``[read] columns``.
+    """
+    if spec.format in (Format.CRITEO_TSV, Format.TORCHREC_NPY, Format.SYNTHETIC):
+        return []
+    if spec.format is Format.PARQUET:
+        import pyarrow.parquet as pq
+
+        return list(pq.ParquetFile(path).schema_arrow.names)
+    if spec.read.columns:
+        return list(spec.read.columns)
+    if spec.read.header or spec.format is Format.RECBOLE:
+        return _header(path, _delimiter(spec))
+    raise UserError(f"{spec.path}: a file without a header needs [read] columns = [...]")
+
+
+def without_missing_label(spec: DatasetSpec, root: Path, main: Path) -> DatasetSpec:
+    """``spec``, read with ``[read] has_label = false`` when its label column is in neither the data
+    file ``main`` (its header, ``[read] columns`` or Parquet schema) nor a ``[[join]]`` side file's
+    header: data to score. Formats without named columns are returned as they are.
+    """
+    if not spec.read.has_label or spec.format in (Format.CRITEO_TSV, Format.TORCHREC_NPY, Format.SYNTHETIC):
+        return spec
+    columns = set(data_columns(spec, main))
+    sides = [root / j.file for j in spec.join if not j.columns]
+    columns |= {c for j in spec.join for c in j.columns}
+    if spec.format is Format.RECBOLE and not spec.join:
+        sides = [main.with_suffix(".user"), main.with_suffix(".item")]
+    for side in sides:
+        if side.is_file():
+            columns |= set(_header(side, _delimiter(spec)))
+    if spec.label.column in columns:
+        return spec
+    return dataclasses.replace(spec, read=dataclasses.replace(spec.read, has_label=False))
+
+
+def scoring_dataset(spec: DatasetSpec, *, root: Path, seed: int, on_error: OnError) -> SpecDataset:
+    """The dataset of ``spec`` over ``root`` for scoring: read without labels when its files lack the
+    label column (:func:`without_missing_label`, judged by the first file)."""
+    files = _expand(root, spec.source.files, f"{spec.path} [source] files")
+    if files and spec.read.has_label and files[0].is_file():
+        spec = without_missing_label(spec, root, files[0])
+    return SpecDataset(spec, root=root, seed=seed, on_error=on_error)
+
+
+def input_dataset(spec: DatasetSpec, files: list[Path], *, on_error: OnError = OnError.RAISE) -> SpecDataset:
+    """Every row of ``files`` (anywhere) read with ``spec``'s layout and transforms, as the training
+    split of a dataset without held-out rows (for scoring new data). Its ``[source]`` and ``[split]``
+    are not used; side files (``[[join]]``) are looked up in the folder that holds the files. The label
+    is read when the files have its column (:func:`without_missing_label`).
+
+    Raises:
+        UserError: a file that does not exist, or data the spec cannot read.
+    """
+    if not files:
+        raise UserError("no input files")
+    paths = [p.resolve() for p in files]
+    for p in paths:
+        if not p.is_file() and not Path(f"{p}_labels.npy").exists():
+            raise UserError(f"input file not found: {p}")
+    root = Path(os.path.commonpath([p.parent for p in paths]))
+    names = tuple(glob.escape(p.relative_to(root).as_posix()) for p in paths)
+    spec = dataclasses.replace(
+        spec,
+        source=SourceSpec(files=names),
+        split=SplitSpec(eval_fraction=0.0),
+        path=spec.path or "the bundle's spec",
+    )
+    return scoring_dataset(spec, root=root, seed=0, on_error=on_error)
+
+
 class SpecDataset(SplitDataset):
     """The Dataset a spec describes, over files in ``root``.
 
@@ -129,6 +219,7 @@ class SpecDataset(SplitDataset):
         if not files:
             raise UserError(f"{spec.path}: [source] files is empty")
         self._names, self._spaces, self._num_dense = self._schema(files)
+        self._files = [*files, *eval_files]
         self._train, self._eval = self._splits(files, eval_files)
 
     # -- schema -----------------------------------------------------------------------------------
@@ -160,13 +251,18 @@ class SpecDataset(SplitDataset):
 
     # -- readers ----------------------------------------------------------------------------------
 
-    def _source(self, files: list[Path], rows: tuple[int, int | None] = (0, None)) -> RowSource:
+    def _source(
+        self, files: list[Path], rows: tuple[int, int | None] = (0, None), *, first_file: int = 0
+    ) -> RowSource:
+        """A reader of ``files``; its blocks' origins number them from ``first_file`` (see origin_files)."""
         spec = self.spec
         if spec.format is Format.CRITEO_TSV:
             parse = CriteoParser(spec.read.has_label, tuple(spec.id_space(s) for s in spec.sparse))
-            return TextSource(files, parse, on_error=self.on_error, lines=rows)
+            return TextSource(files, parse, on_error=self.on_error, lines=rows, first_file=first_file)
         if spec.format is Format.TORCHREC_NPY:
-            return NpySource(files, rows=rows, on_error=self.on_error, dense=spec.dense)
+            return NpySource(
+                files, rows=rows, on_error=self.on_error, dense=spec.dense, first_file=first_file
+            )
         if spec.format is Format.PARQUET:
             try:
                 import pyarrow  # noqa: F401
@@ -188,10 +284,10 @@ class SpecDataset(SplitDataset):
                 idx = np.flatnonzero(keep)
                 return block.take(idx), (None if keys is None else keys[idx])
 
-            return ParquetSource(files, convert, rows=rows)
+            return ParquetSource(files, convert, rows=rows, first_file=first_file)
         # csv / recbole: column-mapped delimited text.
-        delimiter = self._delimiter()
-        columns = self._column_names(files[0], delimiter)
+        delimiter = _delimiter(spec)
+        columns = data_columns(spec, files[0])
 
         parse = TextParser(spec, delimiter, columns, self._sides)
         return TextSource(
@@ -200,18 +296,8 @@ class SpecDataset(SplitDataset):
             on_error=self.on_error,
             lines=rows,
             reading=TextReading(header=self.spec.read.header),
+            first_file=first_file,
         )
-
-    def _delimiter(self) -> bytes:
-        return self.spec.read.delimiter.encode() if self.spec.format is not Format.RECBOLE else b"\t"
-
-    def _column_names(self, path: Path, delimiter: bytes) -> list[str]:
-        spec = self.spec
-        if spec.read.columns:
-            return list(spec.read.columns)
-        if spec.read.header or spec.format is Format.RECBOLE:
-            return _header(path, delimiter)
-        raise UserError(f"{spec.path}: a file without a header needs [read] columns = [...]")
 
     def _load_sides(self, main: Path) -> None:
         spec = self.spec
@@ -222,7 +308,7 @@ class SpecDataset(SplitDataset):
                 if side.is_file():
                     # Relative to the root: the .inter file may sit in a subfolder of it.
                     joins.append(JoinSpec(file=str(side.relative_to(self.root)), on=key))
-        delimiter = self._delimiter()
+        delimiter = _delimiter(spec)
         for i, join in enumerate(joins):
             what = f"{spec.path} [[join]] #{i + 1} file"
             if problem := path_problem(join.file):
@@ -260,7 +346,7 @@ class SpecDataset(SplitDataset):
         if spec.format in (Format.CSV, Format.RECBOLE):
             self._load_sides(files[0])
         if eval_files:
-            train, held = self._source(files), self._source(eval_files)
+            train, held = self._source(files), self._source(eval_files, first_file=len(files))
             if spec.split.shuffle:
                 train = MemorySource(Block.concat(list(train.blocks())))
             return train, held
@@ -290,12 +376,7 @@ class SpecDataset(SplitDataset):
 
     def _check_split_columns(self, files: list[Path]) -> None:
         """Refuse an ``order_by`` / ``group_by`` column the data lacks before parsing (one line)."""
-        if self.spec.format is Format.PARQUET:
-            import pyarrow.parquet as pq
-
-            columns = list(pq.ParquetFile(files[0]).schema_arrow.names)
-        else:
-            columns = self._column_names(files[0], self._delimiter())
+        columns = data_columns(self.spec, files[0])
         check_split_columns(self.spec.split, where=self.spec.path, columns=columns, sides=self._sides)
 
     # -- the Dataset protocol ---------------------------------------------------------------------
@@ -310,6 +391,16 @@ class SpecDataset(SplitDataset):
         if self._stats is None:
             self._stats = {"train": stats_of_source(self._train), "eval": stats_of_source(self._eval)}
         return self._stats
+
+    @property
+    def origin_files(self) -> list[Path]:
+        """The files the blocks' origins number: ``[source] files`` then ``[split] eval_files``, expanded."""
+        return self._files
+
+    def columns(self) -> list[str]:
+        """The column names of the data files (the first file's header or ``[read] columns``; a Parquet
+        file's schema); empty for formats without named columns (criteo_tsv, torchrec_npy)."""
+        return data_columns(self.spec, self._files[0])
 
     @property
     def train_source(self) -> RowSource:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from recsys.data.batch import Batch
 from recsys.data.row_sources import MemorySource, RowSource
+
+if TYPE_CHECKING:  # batches need torch and TorchRec; the readers' statistics do not
+    from recsys.data.batch import Batch
 
 __all__ = ["SplitStats", "constant_logloss", "split_stats_of", "stats_of_source", "stats_of_batches"]
 
@@ -105,7 +107,7 @@ def stats_of_batches(batches: Iterable[Batch]) -> SplitStats:
     rows = positives = 0
     for batch in batches:
         rows += int(batch.labels.shape[0])
-        positives += int(torch.count_nonzero(batch.labels))
+        positives += int((batch.labels != 0).sum())
     return SplitStats(rows=rows, positives=positives)
 
 

@@ -16,15 +16,17 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store.hashing import mix64 as _mix
-from recsys.data.batch import Batch
+from recsys.data.block import Block, Jagged
 from recsys.data.stats import SplitStats
 from recsys.data.synthetic_config import MAX_ID_SPACE, SyntheticConfig
+
+if TYPE_CHECKING:  # batches need torch and TorchRec, imported when batches are made (blocks do not)
+    from recsys.data.batch import Batch
 
 __all__ = ["SyntheticConfig", "SyntheticCriteo", "MAX_ID_SPACE"]
 
@@ -134,11 +136,17 @@ class SyntheticCriteo:
         positives = 0
         for start in range(0, rows, 65536):  # bounded memory for any eval_samples
             index = np.arange(start, min(rows, start + 65536), dtype=np.uint64)
-            positives += int(self.samples(index, split=split).labels.sum().item())
+            positives += int(self.sample_block(index, split=split).labels.sum())
         return SplitStats(rows=rows, positives=positives, sampled=sampled)
 
     def samples(self, index: np.ndarray, *, split: str = "train") -> Batch:
         """The samples with the given global indices (uint64) of a split."""
+        from recsys.data.batch import block_batch
+
+        return block_batch(self.sample_block(index, split=split), self.config.feature_names)
+
+    def sample_block(self, index: np.ndarray, *, split: str = "train") -> Block:
+        """The samples with the given global indices (uint64) of a split, as a block (no origin)."""
         cfg = self.config
         b = index.shape[0]
         base = _mix(index ^ _key(self.seed, "split", _SPLITS[split]))  # (B,)
@@ -165,12 +173,8 @@ class SyntheticCriteo:
         labels = (uniform(4) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
 
         mask = np.arange(cfg.multi_hot)[None, None, :] < lengths[:, :, None]  # (F, B, L)
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=cfg.feature_names,
-            values=torch.from_numpy(ids[mask]),
-            lengths=torch.from_numpy(lengths.reshape(-1).astype(np.int32)),
-        )
-        return Batch(dense=torch.from_numpy(dense), sparse=kjt, labels=torch.from_numpy(labels))
+        jagged = tuple(Jagged(ids[f][mask[f]], lengths[f]) for f in range(cfg.num_sparse))
+        return Block(dense, jagged, labels)
 
     # -- internals --------------------------------------------------------------------------------
 

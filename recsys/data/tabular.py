@@ -278,7 +278,10 @@ def needed_columns(spec: DatasetSpec) -> set[str]:
 def to_block(
     table: Table, spec: DatasetSpec, sides: list[SideTable], problems: Problems
 ) -> tuple[Block, np.ndarray | None]:
-    """The spec's features of a table's rows, and the ``order_by`` column when the split sorts rows."""
+    """The spec's features of a table's rows, and the ``order_by`` column when the split sorts rows.
+
+    The block's ``origin`` is the table's ``lines`` (file number 0: the reader sets the file's).
+    """
     side_rows: dict[int, np.ndarray] = {}
 
     def side_of(column: str) -> tuple[SideTable, np.ndarray] | None:
@@ -339,4 +342,4 @@ def to_block(
     else:  # data to score, without labels (read as 0, as criteo_tsv's has_label = false does)
         labels = np.zeros(n, dtype=np.float32)
     order = numeric(spec.split.order_by)[0] if spec.split.order_by else None
-    return Block(dense, tuple(ids), labels), order
+    return Block(dense, tuple(ids), labels, table.lines), order
