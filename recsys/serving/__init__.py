@@ -3,8 +3,8 @@
 ``load_bundle(path)`` returns a :class:`~recsys.serving.scorer.Scorer` (see its docstring). The runtime
 modules (``bundle``, ``cache``, ``model``, ``scorer``) need torch, numpy, lmdb and safetensors only; an
 import-linter contract keeps TorchRec and FBGEMM out of them. The commands that produce and use bundles
-(``export``, ``evaluate``, ``predict``, ``commands``) read checkpoints and datasets, so they do use
-TorchRec, and are imported only by the CLI.
+(``export``, ``evaluate``, ``predict``, ``commands``) read checkpoints and datasets and are imported only
+by the CLI; of them only ``evaluate`` (the trainer's model) needs TorchRec.
 
 Names are resolved on first use, so that ``recsys --help`` (which registers the commands) does not
 import torch.

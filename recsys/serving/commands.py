@@ -5,7 +5,8 @@ modules are imported when a command runs, so that ``recsys --help`` stays quick.
 
 ``recsys evaluate --run DIR [--checkpoint STEP|best|PATH] [--set section.key=value ...] [--nproc N] [--out FILE]``
 ``recsys export --run DIR [--checkpoint STEP|best|PATH] --out BUNDLE [--buffer-rows N] [--keep-optimizer-state]``
-``recsys predict --bundle BUNDLE --out FILE [--data SPEC_OR_CONFIG] [--split eval|train|all] [--rows N] ...``
+``recsys predict --bundle BUNDLE --out FILE [--data SPEC_OR_CONFIG] [--split eval|train|all | --input FILE[,FILE...]]
+[--keep COL[,COL...]] [--rows N] ...``
 """
 
 from __future__ import annotations
@@ -66,8 +67,16 @@ def register(sub: Any) -> None:
         "--data", default=None, help="run config or dataset spec (default: the bundle's training config)"
     )
     pr.add_argument(
-        "--split", choices=["eval", "train", "all"], default="eval", help="rows to score (default eval)"
+        "--split", choices=["eval", "train", "all"], default=None, help="rows to score (default eval)"
     )
+    pr.add_argument(
+        "--input", default=None, metavar="FILE[,FILE...]",
+        help="score these files whole (no split), read with the training spec's layout",
+    )  # fmt: skip
+    pr.add_argument(
+        "--keep", default=None, metavar="COL[,COL...]",
+        help="columns of the input files to write beside each score (e.g. a request id)",
+    )  # fmt: skip
     pr.add_argument("--rows", type=int, default=None, help="score at most this many rows")
     pr.add_argument("--batch-size", type=int, default=4096, help="rows scored at once (default 4096)")
     pr.add_argument(
@@ -128,7 +137,21 @@ def _predict(args: argparse.Namespace) -> int:
     }
     if args.rows is not None and args.rows < 1:
         return _fail(f"--rows must be >= 1, got {args.rows}")
-    report = predict(args.bundle, args.out, data=args.data, split=args.split, options=options)
+    if args.input is not None and args.split is not None:
+        return _fail("--input scores the files whole: it takes no --split")
+    inputs = [Path(p) for p in args.input.split(",") if p] if args.input is not None else []
+    if args.input is not None and not inputs:
+        return _fail("--input needs at least one file")
+    keep = [c.strip() for c in args.keep.split(",") if c.strip()] if args.keep is not None else []
+    report = predict(
+        args.bundle,
+        args.out,
+        data=args.data,
+        split=args.split or "eval",
+        inputs=inputs,
+        keep=keep,
+        options=options,
+    )
     rates = ", ".join(f"{f} {c['hit_rate']:.3f}" for f, c in report["cache"].items())
     print(f"scored {report['rows']:,} rows" + (f"; cache hit rates: {rates}" if rates else ""))
     print(f"wrote {report['out']}")

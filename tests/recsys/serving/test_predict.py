@@ -66,3 +66,249 @@ def test_predict_on_other_data_with_the_same_schema(exported, tmp_path):
     with pytest.raises(UserError, match="suffix"):
         predict(exported("dcn_1"), tmp_path / "t.txt")
     assert not (tmp_path / "t.csv").exists()
+
+
+# -- a CSV dataset: provenance, key columns, data without labels ----------------------------------
+
+# Features whose names do not sort in the model's order (z, a, m); a chronological split (order_by),
+# so the held-out rows are not in file order; `request` is a key column no feature reads.
+SHOP_SPEC = """name = "shop"
+format = "csv"
+[source]
+files = ["clicks.csv"]
+[read]
+delimiter = ","
+[label]
+column = "click"
+[split]
+eval_fraction = 0.25
+order_by = "ts"
+[[dense]]
+name = "age"
+transform = "log1p"
+[[dense]]
+name = "price"
+invalid = "missing"
+[[sparse]]
+name = "z"
+column = "tags"
+separator = "|"
+[[sparse]]
+name = "a"
+column = "user"
+kind = "int"
+id_space = 300
+[[sparse]]
+name = "m"
+column = "zip"
+"""
+
+SHOP_ROWS = 800
+
+
+def _shop_lines(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    out = ["request,ts,user,tags,zip,age,price,click"]
+    for i in range(n):
+        tags = "|".join(f"t{rng.integers(0, 30)}" for _ in range(rng.integers(0, 4)))
+        user = int(rng.integers(0, 300))
+        price = "" if rng.random() < 0.1 else f"{rng.random() * 40:.2f}"
+        click = int(rng.random() < 0.2 + 0.5 * (user % 3 == 0))
+        ts = int(rng.integers(0, 10**6))  # not in file order: the split sorts the rows
+        out.append(
+            f"q{i:04d},{ts},{user},{tags},{rng.integers(100, 140)},{rng.integers(0, 90)},{price},{click}"
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def shop(tmp_path_factory):
+    """A run trained and exported on the CSV data: (root, run, bundle)."""
+    from recsys.serving.export import export_bundle
+    from tests.conftest import subprocess_env
+    from tests.recsys.tiny import run_train, tiny_config
+
+    root = tmp_path_factory.mktemp("shop")
+    (root / "clicks.csv").write_text("\n".join(_shop_lines(SHOP_ROWS)) + "\n")
+    (root / "spec.toml").write_text(SHOP_SPEC)
+    data = {"source": str(root / "spec.toml")}
+    config = tiny_config(data=data, train={"nproc": 1, "steps": 20}, store={"tables": ["z", "m"]})
+    (root / "c.toml").write_text(config)
+    run_train(root / "c.toml", root / "run", env=subprocess_env())
+    export_bundle(root / "run", root / "bundle")
+    return root, root / "run", root / "bundle"
+
+
+def _file_rows(path):
+    """{1-based line: the row as csv.DictReader gives it} of a CSV file (the header is line 1)."""
+    with open(path, newline="") as f:
+        return {i + 2: row for i, row in enumerate(csv.DictReader(f))}
+
+
+def test_predict_auc_equals_evaluate_and_sorted_rows_map_back_to_their_lines(shop, tmp_path):
+    from recsys.serving.evaluate import evaluate_checkpoint
+
+    root, run, bundle = shop
+    out = tmp_path / "s.csv"
+    proc = cli(
+        "predict", "--bundle", str(bundle), "--out", str(out), "--keep", "request,ts", "--batch-size", "50"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _read_csv(out)
+    assert list(rows[0]) == ["file", "line", "request", "ts", "label", "logit", "score"]
+    held = SHOP_ROWS // 4
+    assert len(rows) == held
+    # The oracle is the file: each output row's line holds its keys and its label.
+    lines = _file_rows(root / "clicks.csv")
+    for r in rows:
+        line = lines[int(r["line"])]
+        assert r["file"] == "clicks.csv"
+        assert (r["request"], r["ts"], float(r["label"])) == (
+            line["request"],
+            line["ts"],
+            float(line["click"]),
+        )
+    # They are the held-out rows of the chronological split: the latest quarter, in time order.
+    ts = sorted(int(row["ts"]) for row in lines.values())
+    assert [int(r["ts"]) for r in rows] == ts[-held:]
+    logits = torch.tensor([float(r["logit"]) for r in rows], dtype=torch.float32)
+    labels = torch.tensor([float(r["label"]) for r in rows])
+    auc, logloss = auc_logloss(logits, labels)
+    evaluated = evaluate_checkpoint(run)[0]
+    assert auc == pytest.approx(evaluated["auc"], abs=1e-6)
+    assert logloss == pytest.approx(evaluated["logloss"], rel=1e-5)
+
+
+def test_predict_input_without_its_label_column_scores_every_row(shop, tmp_path):
+    root, run, bundle = shop
+    lines = _shop_lines(SHOP_ROWS)
+    header = lines[0].split(",")
+    order = [header.index(c) for c in ("price", "zip", "request", "age", "tags", "user", "ts")]  # no click
+    new = tmp_path / "new.csv"
+    new.write_text("\n".join(",".join(line.split(",")[i] for i in order) for line in lines) + "\n")
+    out = tmp_path / "s.parquet"
+    pq = pytest.importorskip("pyarrow.parquet")
+    proc = cli(
+        "predict", "--bundle", str(bundle), "--input", str(new), "--keep", "request", "--out", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = pq.read_table(out).to_pydict()
+    assert list(table) == ["file", "line", "request", "logit", "score"]  # no label: the file has none
+    assert table["file"] == ["new.csv"] * SHOP_ROWS
+    assert table["line"] == list(range(2, SHOP_ROWS + 2))
+    assert table["request"] == [f"q{i:04d}" for i in range(SHOP_ROWS)]
+    # The same rows with their label, read from the training file, score the same.
+    labelled = tmp_path / "l.csv"
+    report = predict(bundle, labelled, inputs=[root / "clicks.csv"], keep=["request"])
+    assert report["rows"] == SHOP_ROWS
+    rows = _read_csv(labelled)
+    assert [r["request"] for r in rows] == table["request"] and "label" in rows[0]
+    np.testing.assert_array_equal(np.array([float(r["logit"]) for r in rows], np.float32), table["logit"])
+
+
+def test_predict_skipping_bad_rows_keeps_every_other_rows_key_and_line(shop, tmp_path):
+    root, run, bundle = shop
+    lines = _shop_lines(300, seed=5)
+    bad = {7, 8, 120, 299}  # data rows made malformed: too few fields, a bad number, a bad id, too many
+    lines[7] = "q_bad,1,2"
+    lines[8] = lines[8].rsplit(",", 3)[0] + ",x1,3.5,1"  # age not a number
+    fields = lines[120].split(",")
+    lines[120] = ",".join([*fields[:2], "-4", *fields[3:]])  # a user id outside its id space
+    lines[299] = lines[299] + ",extra"
+    data = tmp_path / "bad.csv"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "s.csv"
+    args = ["--input", str(data), "--keep", "request", "--set", "data.on_error=skip", "--batch-size", "32"]
+    proc = cli("predict", "--bundle", str(bundle), "--out", str(out), *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _read_csv(out)
+    expected = [i + 1 for i in range(1, len(lines)) if i not in bad]  # 1-based lines of the good rows
+    assert [int(r["line"]) for r in rows] == expected
+    for r in rows:  # the oracle: the file itself
+        assert lines[int(r["line"]) - 1].split(",")[0] == r["request"]
+
+
+def test_predict_refuses_what_it_cannot_do_in_one_line_and_leaves_no_file(shop, tmp_path):
+    root, run, bundle = shop
+    (root / "all.toml").write_text(SHOP_SPEC.replace("eval_fraction = 0.25", "eval_fraction = 0.0"))
+    out = tmp_path / "s.csv"
+    cases = [
+        (["--data", str(root / "all.toml")], "no rows to score: the eval split is empty"),
+        (["--keep", "request,nope"], "--keep nope: no such column in the data"),
+        (["--keep", "score"], "--keep score: predict writes a column of that name itself"),
+        (["--input", str(tmp_path / "missing.csv")], "input file not found"),
+        (["--input", str(root / "clicks.csv"), "--split", "eval"], "takes no --split"),
+    ]
+    for args, message in cases:
+        proc = cli("predict", "--bundle", str(bundle), "--out", str(out), *args)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "--split" in proc.stderr or args[0] != "--data"
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+    proc = cli(
+        "predict",
+        "--bundle",
+        str(bundle),
+        "--out",
+        str(out),
+        "--data",
+        str(root / "all.toml"),
+        "--split",
+        "all",
+    )
+    assert proc.returncode == 0 and len(_read_csv(out)) == SHOP_ROWS
+
+
+@pytest.mark.parametrize("where", ["open", "write", "score", "interrupt", "close"])
+def test_a_failed_predict_leaves_no_file_behind(shop, tmp_path, monkeypatch, where):
+    import recsys.serving.predict as mod
+    from recsys.serving.scorer import Scorer
+
+    root, run, bundle = shop
+    boom = KeyboardInterrupt() if where == "interrupt" else OSError(f"injected failure in {where}")
+    calls = {"n": 0}
+
+    def fail(*args, **kwargs):
+        raise boom
+
+    def fail_on_second(original):
+        def wrapped(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise boom
+            return original(self, *args, **kwargs)
+
+        return wrapped
+
+    if where == "open":  # the temporary file exists, then writing its header fails
+        original_open = mod._Writer._open
+
+        def open_then_fail(self):
+            original_open(self)
+            raise boom
+
+        monkeypatch.setattr(mod._Writer, "_open", open_then_fail)
+    elif where == "write":
+        monkeypatch.setattr(mod._Writer, "write", fail_on_second(mod._Writer.write))
+    elif where in ("score", "interrupt"):
+        monkeypatch.setattr(Scorer, "logits", fail_on_second(Scorer.logits))
+    else:
+        monkeypatch.setattr(mod.os, "replace", fail)
+    for out in (tmp_path / "s.csv", tmp_path / "s.parquet"):
+        calls["n"] = 0
+        with pytest.raises(type(boom)):
+            predict(bundle, out, split="all", options={"batch_size": 64})
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_predict_reads_csv_with_torchrec_blocked(shop, tmp_path):
+    from tests.recsys.serving.test_isolation import run_blocked
+
+    root, run, bundle = shop
+    out = tmp_path / "s.csv"
+    proc = run_blocked(
+        "predict", "--bundle", str(bundle), "--out", str(out), "--keep", "request", "--split", "all"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2] == "0 []", proc.stdout
+    assert len(_read_csv(out)) == SHOP_ROWS
