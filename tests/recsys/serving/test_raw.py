@@ -73,6 +73,7 @@ steps = 30
 batch_size = 64
 threads_per_rank = 1
 [store]
+tiered = true
 tables = ["z", "m"]
 device_rows = 300
 host_rows = 100
