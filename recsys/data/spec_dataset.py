@@ -24,7 +24,16 @@ from recsys.data.criteo import NUM_DENSE, NUM_SPARSE, CriteoParser
 from recsys.data.epochs import SplitDataset
 from recsys.data.fields import split_fields
 from recsys.data.issues import Issues, OnError, Problems
-from recsys.data.row_sources import MemorySource, NpySource, ParquetSource, RowSource, TextReading, TextSource
+from recsys.data.npy_source import NpySource
+from recsys.data.row_sources import (
+    WHOLE,
+    MemorySource,
+    ParquetSource,
+    RowSource,
+    Span,
+    TextReading,
+    TextSource,
+)
 from recsys.data.spec import (
     DatasetSpec,
     Format,
@@ -251,18 +260,15 @@ class SpecDataset(SplitDataset):
 
     # -- readers ----------------------------------------------------------------------------------
 
-    def _source(
-        self, files: list[Path], rows: tuple[int, int | None] = (0, None), *, first_file: int = 0
-    ) -> RowSource:
-        """A reader of ``files``; its blocks' origins number them from ``first_file`` (see origin_files)."""
+    def _source(self, files: list[Path], span: Span = WHOLE) -> RowSource:
+        """A reader of ``span`` of ``files``; its blocks' origins number them from ``span.first_file``
+        (see origin_files)."""
         spec = self.spec
         if spec.format is Format.CRITEO_TSV:
             parse = CriteoParser(spec.read.has_label, tuple(spec.id_space(s) for s in spec.sparse))
-            return TextSource(files, parse, on_error=self.on_error, lines=rows, first_file=first_file)
+            return TextSource(files, parse, on_error=self.on_error, span=span)
         if spec.format is Format.TORCHREC_NPY:
-            return NpySource(
-                files, rows=rows, on_error=self.on_error, dense=spec.dense, first_file=first_file
-            )
+            return NpySource(files, span=span, on_error=self.on_error, dense=spec.dense)
         if spec.format is Format.PARQUET:
             try:
                 import pyarrow  # noqa: F401
@@ -284,7 +290,7 @@ class SpecDataset(SplitDataset):
                 idx = np.flatnonzero(keep)
                 return block.take(idx), (None if keys is None else keys[idx])
 
-            return ParquetSource(files, convert, rows=rows, first_file=first_file)
+            return ParquetSource(files, convert, span=span)
         # csv / recbole: column-mapped delimited text.
         delimiter = _delimiter(spec)
         columns = data_columns(spec, files[0])
@@ -294,9 +300,8 @@ class SpecDataset(SplitDataset):
             files,
             parse,
             on_error=self.on_error,
-            lines=rows,
+            span=span,
             reading=TextReading(header=self.spec.read.header),
-            first_file=first_file,
         )
 
     def _load_sides(self, main: Path) -> None:
@@ -346,7 +351,7 @@ class SpecDataset(SplitDataset):
         if spec.format in (Format.CSV, Format.RECBOLE):
             self._load_sides(files[0])
         if eval_files:
-            train, held = self._source(files), self._source(eval_files, first_file=len(files))
+            train, held = self._source(files), self._source(eval_files, Span(first_file=len(files)))
             if spec.split.shuffle:
                 train = MemorySource(Block.concat(list(train.blocks())))
             return train, held
@@ -372,7 +377,7 @@ class SpecDataset(SplitDataset):
         whole = self._source(files)
         total = whole.total_lines() if isinstance(whole, TextSource) else whole.num_rows()
         cut = total - round(total * spec.split.eval_fraction)
-        return self._source(files, (0, cut)), self._source(files, (cut, total))
+        return self._source(files, Span(0, cut)), self._source(files, Span(cut, total))
 
     def _check_split_columns(self, files: list[Path]) -> None:
         """Refuse an ``order_by`` / ``group_by`` column the data lacks before parsing (one line)."""

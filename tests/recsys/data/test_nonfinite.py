@@ -17,7 +17,8 @@ import pytest
 
 from recsys.data.block import Block, Jagged
 from recsys.data.issues import MalformedInputError, OnError
-from recsys.data.row_sources import NpySource, TextSource
+from recsys.data.npy_source import NpySource
+from recsys.data.row_sources import TextSource
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.spec import DenseSpec
 from recsys.data.synthetic import SyntheticConfig

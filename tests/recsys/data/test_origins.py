@@ -11,8 +11,9 @@ import pytest
 
 from recsys.data.block import Block, Jagged, pack_origin, unpack_origin
 from recsys.data.issues import OnError
+from recsys.data.npy_source import NpySource
 from recsys.data.origins import OriginColumns
-from recsys.data.row_sources import MemorySource, NpySource
+from recsys.data.row_sources import MemorySource, Span
 from recsys.data.source import DataConfig, build_dataset
 from recsys.data.spec_dataset import SpecDataset, data_columns, input_dataset
 from recsys.data.synthetic import SyntheticConfig
@@ -109,7 +110,7 @@ def test_npy_and_criteo_rows(tmp_path):
         np.save(tmp_path / f"{prefix}_dense.npy", dense)
         np.save(tmp_path / f"{prefix}_sparse.npy", np.arange(3).reshape(3, 1) + 10 * k)
         np.save(tmp_path / f"{prefix}_labels.npy", np.zeros(3, np.int64))
-    source = NpySource([tmp_path / "p0", tmp_path / "p1"], on_error=OnError.SKIP, first_file=3)
+    source = NpySource([tmp_path / "p0", tmp_path / "p1"], on_error=OnError.SKIP, span=Span(first_file=3))
     assert _rows(source) == ([0, 2, 10, 11, 12], [3, 3, 4, 4, 4], [1, 3, 1, 2, 3])
     line = "\t".join(["1", *["1"] * 13, *["0a"] * 26])
     (tmp_path / "day_0").write_text(f"{line}\nbad\n{line}\n")
