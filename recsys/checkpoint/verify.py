@@ -110,6 +110,14 @@ def _meta_problem(path: Path, meta: Any) -> str | None:
         or len(set(features)) != len(features)
     ):
         return f"features must be a list of distinct feature names, got {_short(features)}"
+    store_tables = meta.get("store_tables")
+    if store_tables is not None and (
+        not isinstance(store_tables, list) or not all(isinstance(t, str) and t for t in store_tables)
+    ):
+        return f"store_tables must be a list of table names, got {_short(store_tables)}"
+    digest = meta.get("digest")
+    if digest is not None and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+        return f"digest must be 32 hexadecimal digits, got {_short(digest)}"
     if meta.get("spec") is not None and not isinstance(meta["spec"], dict):
         return f"spec must be an object, got {_short(meta['spec'])}"
     if not isinstance(files, dict):
@@ -139,7 +147,9 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
         ``{"format", "step", "world_size", "files", "fingerprint", "trainer", "features", "spec"}``;
         ``fingerprint``, ``trainer``, ``features`` (the model's interaction order of its sparse
         features) and ``spec`` (the dataset spec, :func:`recsys.data.spec.spec_to_dict`) are None when
-        the checkpoint was saved without them (``spec``: or the data had none).
+        the checkpoint was saved without them (``spec``: or the data had none); so are
+        ``store_tables`` (the tables whose rows are in the store snapshots, the others are in memory) and
+        ``digest`` (the model digest, with ``train.checkpoint_digest``).
 
     Raises:
         CheckpointError: one line naming the problem and the offending value.
@@ -154,6 +164,7 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
     if (problem := _meta_problem(path, meta)) is not None:
         raise CheckpointError(f"{path / META}: {problem}")
     keys = ("format", "step", "world_size", "files", "fingerprint", "trainer", "features", "spec")
+    keys += ("store_tables", "digest")
     return {key: meta.get(key) for key in keys}
 
 
