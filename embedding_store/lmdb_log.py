@@ -88,7 +88,8 @@ class LogIo:
 
     Attributes:
         commit: runs ``fill(txn)`` in one write transaction (``commit(fill, need_bytes, num_rows,
-            exclusive=False)``; run again whole after a map resize; LMDB errors mapped to StoreErrors).
+            exclusive=False)``; run again whole after a map resize, so ``fill`` opens again any handle
+            that an aborted run opened or dropped; LMDB errors mapped to StoreErrors).
         count_read: told of every read (it drops the mapped pages every so many rows).
         mapped: the data file's map, for read-ahead of compacted segments (None: no read-ahead).
         unmap_every: blocks read between two ``count_read`` calls (``LmdbOptions.unmap_every_rows``;
@@ -433,16 +434,28 @@ class LogTables:
                 [(t, ids[a : a + COPY_ROWS], rows, np.arange(first, first + rows.shape[0], dtype=np.int64))]
             )
             self.stats.copied_rows += rows.shape[0]
-        db = t.segs[seg]
+        name = segment_name(t.spec.name, seg)
 
         def drop(txn: Any) -> None:
-            txn.drop(db, delete=True)
+            # Every run opens the segment by name: LMDB closes a handle for the whole environment when it
+            # drops it (delete=True), also when the transaction then aborts (a full map, met by the
+            # deletes or by the commit's free list) and is run again after a resize; a handle opened by an
+            # aborted transaction is closed too. The name is there until a drop commits.
+            txn.drop(self._env.open_db(name, txn=txn, create=False), delete=True)
             for key in run_keys:
                 txn.delete(key, db=t.runs_db)
 
-        self._io.commit(drop, 0, 0, exclusive=True)  # no reader is on its way to the dropped segment
+        try:
+            self._io.commit(drop, 0, 0, exclusive=True)  # no reader is on its way to the dropped segment
+        except BaseException:
+            # Nothing was applied, but the segment's handle may be closed, and its slot given to a segment
+            # opened later: it is forgotten. Nothing reads the segment (the index left it, it has no live
+            # rows to copy) until a later compaction drops it, again by name.
+            with self._index_lock:
+                t.segs.pop(seg, None)
+            raise
         with self._index_lock:
-            del t.segs[seg]
+            t.segs.pop(seg, None)
             t.alive.drop(seg)
         self.stats.compactions += 1
 

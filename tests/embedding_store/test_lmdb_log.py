@@ -1,5 +1,6 @@
 """The log layout of the LMDB backend (embedding_store/lmdb_log.py) against a dict oracle: reads, scans,
-reopen, compaction with its space bound, reads racing the writer, and a SIGKILL anywhere in a compaction.
+reopen, compaction with its space bound, reads racing the writer, a segment drop that meets a full map, and a
+SIGKILL anywhere in a compaction.
 """
 
 from __future__ import annotations
@@ -9,16 +10,18 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 
-from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, TableSpec, lmdb_log
+from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, StoreFullError, TableSpec, lmdb_log
 from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.lmdb_log import replay_runs
 from embedding_store.lmdb_scan import scan_snapshot
-from embedding_store.log_format import Geometry
+from embedding_store.log_format import Geometry, runs_name, segment_name
 from embedding_store.log_index import DenseSeqIndex, HashSeqIndex, SortedSeqIndex
 from embedding_store.log_live import Liveness
 
@@ -268,6 +271,108 @@ def test_reads_racing_writes_and_compactions_always_find_committed_rows(tmp_path
             t.join()
     assert not errors, errors[0]
     assert backend._log is not None and backend._log.stats.compactions > 20
+    backend.close()
+
+
+class _FullAtDrop:
+    """A log's commit whose segment drops (its exclusive commits) meet a full map: the first ``runs`` runs
+    of each of the first ``drops`` drops run the drop, then raise LMDB's MapFullError inside the
+    transaction, as a commit that finds no room for its free list does. The transaction aborts, and the
+    backend grows the map and runs it again (or gives up at ``max_map_size_bytes``)."""
+
+    def __init__(self, commit: lmdb_log.Commit, *, drops: int, runs: int = 1) -> None:
+        self._commit, self._drops, self._runs = commit, drops, runs
+        self.drops = self.faults = 0
+
+    def __call__(
+        self, fill: Callable[[object], None], need_bytes: int, num_rows: int, *, exclusive: bool = False
+    ) -> None:
+        if not exclusive or self.drops >= self._drops:
+            return self._commit(fill, need_bytes, num_rows, exclusive=exclusive)
+        self.drops += 1
+        runs = [0]
+
+        def full(txn: object) -> None:
+            fill(txn)
+            runs[0] += 1
+            if runs[0] <= self._runs:
+                self.faults += 1
+                raise lmdb.MapFullError("injected: the map is full at the commit of a segment drop")
+
+        return self._commit(full, need_bytes, num_rows, exclusive=exclusive)
+
+
+def _check_named_dbs(backend: LmdbBackend) -> None:
+    """The environment holds the runs and the segments the writer knows of, no more: dropped segments are
+    gone, and none of the others is missing."""
+    log = backend._log
+    assert log is not None
+    want = {b"__meta__"}
+    for t in log._tables.values():
+        assert set(t.segs) == set(t.alive.records)
+        want |= {runs_name(t.spec.name)} | {segment_name(t.spec.name, seg) for seg in t.alive.records}
+    with backend._env.begin() as txn:
+        assert {bytes(key) for key, _ in txn.cursor()} == want
+
+
+def _check_all(backend: LmdbBackend, oracle: _Oracle) -> None:
+    """Rows, live bits and named databases of ``backend`` equal the oracle's."""
+    oracle.check_all(backend)
+    _check_liveness(backend)
+    _check_named_dbs(backend)
+
+
+def test_a_drop_that_meets_a_full_map_grows_it_and_runs_again(tmp_path: Path) -> None:
+    """Issue 41: ``txn.drop(db, delete=True)`` closes the segment's handle for the whole environment even
+    when its transaction then aborts on a full map; the run after the resize must not use that handle."""
+    backend = _open(tmp_path / "env", initial_map_size_bytes=1 << 16)
+    log = backend._log
+    assert log is not None
+    full = _FullAtDrop(log._io.commit, drops=12)
+    log._io = dataclasses.replace(log._io, commit=full)
+    rng, oracle = np.random.default_rng(4), _Oracle()
+    _random_writes(rng, oracle, backend, 120)
+    assert full.faults == 12 and log.stats.compactions > 20
+    assert backend.map_size_bytes() >= 1 << (16 + 12)  # every fault doubled the map
+    _check_all(backend, oracle)
+    backend.close()
+    backend = _open(tmp_path / "env")
+    _check_all(backend, oracle)
+    _random_writes(rng, oracle, backend, 20)
+    oracle.check_all(backend)
+    backend.close()
+
+
+def test_a_drop_that_meets_a_full_map_at_its_cap_leaves_the_segment_to_a_later_compaction(
+    tmp_path: Path,
+) -> None:
+    """A drop that finds the map full at ``max_map_size_bytes`` raises StoreFullError with nothing of it
+    applied; the store stays usable and a later compaction drops the segment (its handle is not reused:
+    the slot may belong to a segment opened since)."""
+    backend = _open(tmp_path / "env", initial_map_size_bytes=1 << 20, max_map_size_bytes=1 << 22)
+    log = backend._log
+    assert log is not None
+    full = _FullAtDrop(log._io.commit, drops=1, runs=99)  # 1 -> 2 -> 4 MiB, then the cap
+    log._io = dataclasses.replace(log._io, commit=full)
+    rng, oracle, failed = np.random.default_rng(5), _Oracle(), 0
+    for _ in range(150):
+        writes = []
+        for spec in (BOUNDED, UNBOUNDED):
+            ids = np.unique(rng.integers(0, 300, size=int(rng.integers(1, 90))))
+            rows = rng.standard_normal((ids.shape[0], spec.row_floats)).astype(np.float32)
+            writes.append((spec.name, ids.astype(np.int64), rows))
+        try:
+            backend.put_rows(writes)
+        except StoreFullError as err:
+            assert "at the cap" in str(err)
+            failed += 1
+        for table, ids, rows in writes:  # the append committed before the compaction that failed
+            oracle.put(table, ids, rows)
+    assert failed == 1 and full.faults == 3 and log.stats.compactions > 20
+    _check_all(backend, oracle)
+    backend.close()
+    backend = _open(tmp_path / "env")
+    _check_all(backend, oracle)
     backend.close()
 
 
