@@ -43,6 +43,15 @@ WARN_EVERY_LOGS = 10
 Feed = Callable[[int, int], tuple[Iterator[Batch], StagedPipeline | None]]
 
 
+def _raised_in_stage(err: UserError, failed: StageFailed) -> UserError:
+    """``err`` (the cause of ``failed``) with a note naming the pipeline stage and batch that raised it:
+    shown under its traceback, never in its one-line message."""
+    note = f"raised in pipeline stage {failed.stage!r} on batch {failed.batch}"
+    if note not in getattr(err, "__notes__", ()):
+        err.add_note(note)
+    return err
+
+
 class MetricsSink(Protocol):
     """Where the loop's records go (``metrics.jsonl`` in a run: :class:`recsys.metrics.MetricsLog`)."""
 
@@ -78,15 +87,18 @@ class TrainLoop:
         pipeline = TrainPipelineSparseDist(t.dmp, t.optimizer, t.env.device, execute_all_batches=True)
         batches, feed = self.feed(t.step, steps)
         bar = self.progress(total=steps, initial=t.step, enabled=t.env.is_main)
+        user_error: UserError | None = None
         try:
             return self._steps(pipeline, batches, feed, bar)
         except (StageFailed, StoreCapacityError, StoreFullError) as err:
-            cause = err.__cause__ if isinstance(err, StageFailed) else err
+            cause = err.cause if isinstance(err, StageFailed) else err
             if isinstance(cause, StoreFullError):
                 raise UserError(f"{cause}; raise store.max_lmdb_bytes or free disk space") from err
             if isinstance(cause, StoreCapacityError):
                 raise UserError(t.too_few_slots(cause)) from err
-            raise
+            if not (isinstance(err, StageFailed) and isinstance(cause, UserError)):
+                raise
+            user_error = _raised_in_stage(cause, err)
         finally:
             bar.close()  # ends the bar's line before any error message
             if feed is not None:
@@ -95,6 +107,11 @@ class TrainLoop:
                     with writing(t.out_dir / "trace.json"):
                         feed.write_trace(t.out_dir / "trace.json")
                 t.pipeline_stats = feed.stats()
+        # A stage's UserError (a malformed line met by the load stage, ...) goes on as itself, as it would
+        # without the pipeline: the CLI prints its one line (exit 2). Raised outside the handler, so that
+        # its own __cause__ and __context__ stay as they were; the stage is named in a note of its traceback.
+        assert user_error is not None
+        raise user_error
 
     # -- one log window -----------------------------------------------------------------------------
 
