@@ -26,6 +26,11 @@ _STORE_DIR = re.compile(r"store_rank_(\d+)")
 # left only by a writer that was killed, never part of a checkpoint.
 _TEMP = re.compile(r"\..+\.tmp")
 _DIGEST = re.compile(r"[0-9a-f]{32}")
+# LMDB's lock file: any LMDB tool that opens a store snapshot, even read-only (``mdb_stat``, ``lmdb.open(path,
+# readonly=True)``), creates it beside ``data.mdb``. It holds the reader table, no data, and nothing of a
+# checkpoint reads it: a restore copies ``data.mdb`` alone and every read of a snapshot opens it with
+# ``lock=False`` (embedding_store.snapshot, lmdb_scan).
+_LMDB_LOCK = "lock.mdb"
 _HASH_CHUNK_BYTES = 1 << 20
 # A checkpoint that failed verification is renamed with this prefix: kept for inspection, never resumed.
 DAMAGED_PREFIX = "damaged_"
@@ -76,6 +81,20 @@ def _tree(path: Path) -> Iterator[str]:
         for name in [*names, *(d for d in dirs if os.path.islink(os.path.join(here, d)))]:
             if not _TEMP.fullmatch(name):
                 yield str(rel / name)
+
+
+def _lmdb_lock(path: Path, name: str, files: dict[str, Any]) -> bool:
+    """Whether ``path/name`` is LMDB's lock file beside a store snapshot's listed ``data.mdb``: a regular
+    file (not a link), unlisted and harmless (see ``_LMDB_LOCK``)."""
+    parts = PurePosixPath(name).parts
+    if len(parts) != 2 or parts[1] != _LMDB_LOCK or not _STORE_DIR.fullmatch(parts[0]):
+        return False
+    if f"{parts[0]}/data.mdb" not in files:
+        return False
+    try:
+        return stat.S_ISREG(os.lstat(path / name).st_mode)
+    except OSError:
+        return False
 
 
 def _describe(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:

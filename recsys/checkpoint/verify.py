@@ -22,6 +22,7 @@ from recsys.checkpoint.files import (
     CheckpointError,
     _complete,
     _digest,
+    _lmdb_lock,
     _open_regular,
     _rank_world,
     _tree,
@@ -188,7 +189,8 @@ def _check_file(path: Path, name: str, entry: dict[str, Any]) -> str | None:
 def verify_checkpoint(path: Path) -> list[str]:
     """Problems of a complete checkpoint: a ``meta.json`` that :func:`checkpoint_meta` refuses, files
     missing, truncated or altered against the manifest, or files it does not list (anything but
-    ``meta.json`` and temporary names left by a killed writer).
+    ``meta.json``, temporary names left by a killed writer, and the ``lock.mdb`` an LMDB tool leaves beside
+    a store snapshot's ``data.mdb``, which nothing reads).
 
     Collective when a process group is initialised: rank r checks every r-th file and every rank gets
     the problems of all of them.
@@ -201,7 +203,9 @@ def verify_checkpoint(path: Path) -> list[str]:
         problems = [str(err)]
     else:
         if rank == 0:
-            unlisted = sorted(n for n in _tree(path) if n not in files and n != META)
+            unlisted = sorted(
+                n for n in _tree(path) if n not in files and n != META and not _lmdb_lock(path, n, files)
+            )
             problems += [f"{path / name} is not listed in the manifest" for name in unlisted]
         for i, (name, entry) in enumerate(sorted(files.items())):
             if i % world == rank and (why := _check_file(path, name, entry)) is not None:

@@ -185,6 +185,28 @@ def test_unlisted_files_are_damage_and_temporary_names_are_not(tmp_path):
     ]
 
 
+def test_lmdbs_lock_file_beside_a_listed_snapshot_is_tolerated_and_nothing_else(tmp_path):
+    # An LMDB tool opening a snapshot, even read-only, creates lock.mdb (reader table only, no data).
+    path = _fake_checkpoint(tmp_path, 10, {"rank_0.pt": b"a" * 10, "store_rank_0/data.mdb": b"d" * 8})
+    (path / "store_rank_0" / "lock.mdb").write_bytes(b"reader table")
+    assert verify_checkpoint(path) == []
+    (path / "store_rank_0" / "lock.mdb").unlink()
+    (path / "store_rank_0" / "lock.mdb").symlink_to(path / "rank_0.pt")  # not a regular file
+    (path / "store_rank_0" / "data.mdb-lock").write_bytes(b"x")  # another name
+    (path / "lock.mdb").write_bytes(b"x")  # not in a store snapshot
+    (path / "store_rank_1").mkdir()  # a snapshot the manifest does not list
+    (path / "store_rank_1" / "lock.mdb").write_bytes(b"x")
+    assert verify_checkpoint(path) == [
+        f"{path / name} is not listed in the manifest"
+        for name in (
+            "lock.mdb",
+            "store_rank_0/data.mdb-lock",
+            "store_rank_0/lock.mdb",
+            "store_rank_1/lock.mdb",
+        )
+    ]
+
+
 def test_a_fifo_in_place_of_a_listed_file_does_not_block(tmp_path):
     path = _fake_checkpoint(tmp_path, 10, {"rank_0.pt": b"a" * 10})
     (path / "rank_0.pt").unlink()
@@ -503,3 +525,28 @@ def test_damaged_checkpoint_falls_back_and_resumes_exactly(
     assert _digest(run) == whole
     for step in (20, 40, 60):  # resuming from step 20 wrote nothing into it
         assert verify_checkpoint(run / "checkpoints" / f"step_{step:08d}") == []
+
+
+def test_snapshots_opened_by_an_lmdb_tool_still_resume_from_the_newest(uninterrupted, tmp_path, cli_env):
+    import lmdb
+
+    config, whole = uninterrupted
+    run = tmp_path / "run"
+    run_train(config, run, "--set", "train.steps=40", env=cli_env)
+    kept = sorted((run / "checkpoints").glob("step_*"))
+    assert [p.name for p in kept] == ["step_00000020", "step_00000040"]
+    for path in kept:  # inspected as with mdb_stat: a read-only open with LMDB's lock creates lock.mdb
+        env = lmdb.open(str(path / "store_rank_0"), readonly=True)
+        assert env.stat()["entries"] > 0
+        env.close()
+        assert (path / "store_rank_0" / "lock.mdb").is_file()
+        assert verify_checkpoint(path) == []
+    # Resuming never reads a snapshot's lock file, so even a bogus one changes nothing.
+    junk = b"not an LMDB lock file" * 50
+    (kept[-1] / "store_rank_0" / "lock.mdb").write_bytes(junk)
+    resumed = run_train(config, run, "--resume", env=cli_env)
+    assert "damaged" not in resumed.stderr, resumed.stderr[-3000:]
+    assert f"resumed from {kept[-1]} (step 40)" in resumed.stderr
+    assert _digest(run) == whole
+    assert (run / "store" / "rank_0" / "lock.mdb").read_bytes() != junk  # not copied into the live store
+    assert verify_checkpoint(kept[-1]) == []
