@@ -30,6 +30,9 @@ class TrainConfig:
         final_checkpoint: write a checkpoint when training ends (whatever ``checkpoint_every`` is), so
             that every run can be evaluated, exported and resumed; false: none at the end (then
             ``checkpoint_every = 0`` writes no checkpoint at all).
+        checkpoint_digest: record the model digest in each checkpoint and check, right after a resume
+            (or an evaluation) restored it, that the restored model has it; a mismatch stops the run. It
+            costs one pass over every touched row per checkpoint and per restore.
         keep_checkpoints: how many of the newest checkpoints to keep.
         threads_per_rank: intra-op threads per rank (0: cores divided by local ranks).
         collective_timeout_s: how long a rank waits in a collective (all-to-all, barrier) for its peers
@@ -45,6 +48,7 @@ class TrainConfig:
     log_every: int = 20
     checkpoint_every: int = 0
     final_checkpoint: bool = True
+    checkpoint_digest: bool = True
     keep_checkpoints: int = 2
     threads_per_rank: int = 0
     collective_timeout_s: float = 1800.0
@@ -64,6 +68,8 @@ class TrainConfig:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if not isinstance(self.checkpoint_digest, bool):
+            raise ValueError(f"checkpoint_digest must be true or false, got {self.checkpoint_digest!r}")
         if not isinstance(self.final_checkpoint, bool):
             raise ValueError(f"final_checkpoint must be true or false, got {self.final_checkpoint!r}")
         if self.keep_checkpoints < 1:

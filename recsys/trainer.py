@@ -86,6 +86,9 @@ class RunState:
         # The dataset spec's field transforms, which serving applies to raw records (recsys export).
         spec = getattr(t.data, "spec", None)
         into.meta["spec"] = None if spec is None else spec_to_dict(spec)
+        # Which tables' rows are in the store snapshots (the others are in the rank files): a resume
+        # does not move rows between the two (Trainer.restore refuses a change).
+        into.meta["store_tables"] = [] if t.tiered is None else sorted(t.tiered.names)
         into.meta["trainer"] = {"selection": t.selection.state(), "held_out": t.held_out}
         return []
 
@@ -95,6 +98,23 @@ class RunState:
         t.selection.load(state.get("selection"))
         t.held_out = state.get("held_out")
         t.step = int(source.meta["step"])
+
+
+class DigestRecord:
+    """The checkpoint part that records the model digest (``train.checkpoint_digest``), in ``meta.json``;
+    :meth:`Trainer.restore` checks the restored model against it. Saved after the store: the digest of
+    tiered tables is read from the snapshot just written."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def save(self, into: Checkpoint) -> list[Path]:
+        if self.trainer.config.train.checkpoint_digest:
+            into.meta["digest"] = self.trainer.digest(checkpoint=into.path)  # collective
+        return []
+
+    def restore(self, source: Checkpoint) -> None:
+        """Nothing: the check needs every part restored (Trainer.restore)."""
 
 
 class ConfigRecord:
@@ -137,6 +157,7 @@ class Trainer:
         self.step = 0
         self.saved_step = -1  # the step of the last checkpoint this process wrote
         self.allow_config_change = False  # resume even when model-changing settings differ
+        self._config_changed = False  # a resume allowed them to differ (the digest check is then skipped)
         self.selection = BestTracker(select=config.eval.select, patience=config.eval.patience)
         # Held-out rows and positives (counted by the first evaluation) and the training split's.
         self.held_out: dict[str, int] | None = None
@@ -157,6 +178,7 @@ class Trainer:
         }
         if self.tiered is not None:
             self.checkpoint_parts["store"] = StoreState(self.tiered)
+        self.checkpoint_parts["digest"] = DigestRecord(self)  # last: it reads what the others wrote
         self.pipeline_stats: dict[str, Any] = {}
 
     # -- data -------------------------------------------------------------------------------------
@@ -277,6 +299,7 @@ class Trainer:
                 f"--resume: {path} was trained with other settings that change the model: {'; '.join(changes)}; "
                 "restore them, or pass --allow-config-change to continue with the new ones"
             )
+        self._config_changed = True  # the digest compares rows with initial values the change may move
         if self.env.is_main:
             log.warning("resuming with changed settings (--allow-config-change): %s", "; ".join(changes))
 
@@ -288,12 +311,38 @@ class Trainer:
         meta = checkpoint_meta(path)
         if check_fingerprint:
             self._check_fingerprint(path, meta.get("fingerprint"))
+        self._check_store_tables(path, meta.get("store_tables"))
         source = Checkpoint(
             path=path, step=int(meta["step"]), rank=self.env.rank, world_size=self.env.world_size, meta=meta
         )
         for part in self.checkpoint_parts.values():
             part.restore(source)
+        saved = meta.get("digest")
+        if saved is not None and self.config.train.checkpoint_digest and not self._config_changed:
+            restored = self.digest()  # collective: every rank raises alike
+            if restored != saved:
+                raise UserError(
+                    f"checkpoint {path} was saved with model digest {saved}, but the model restored from it "
+                    f"has digest {restored}: the restore did not reproduce it, so the run stops rather than "
+                    "train another model (please report it; train.checkpoint_digest = false skips this check)"
+                )
         return self.step
+
+    def _check_store_tables(self, path: Path, saved: list[str] | None) -> None:
+        """Refuse a restore that would have to move rows between tiered and in-memory tables."""
+        if saved is None:  # a checkpoint from before store_tables: the digest check still applies
+            return
+        now = [] if self.tiered is None else sorted(self.tiered.names)
+        if now == saved:
+            return
+        store = self.config.store
+        held = f"its tiered store holds {', '.join(saved)}" if saved else "it holds every table in memory"
+        tiers = ", ".join(now) if now else "no table"
+        raise UserError(
+            f"checkpoint {path}: {held}, but this run (store.tiered={str(store.tiered).lower()}, "
+            f"store.tables={list(store.tables)}) tiers {tiers}; rows do not move between the tiered store "
+            "and in-memory tables on a restore: resume with the checkpoint's store.tiered and store.tables"
+        )
 
     def start(self, *, resume: bool) -> None:
         """Restore the newest complete, intact checkpoint (``resume``) or start from the initial model

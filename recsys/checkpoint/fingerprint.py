@@ -12,7 +12,7 @@ from recsys.config import RunConfig, config_to_dict
 _NOT_MODEL: dict[str, frozenset[str]] = {
     "train": frozenset(
         {"steps", "nproc", "log_every", "checkpoint_every", "final_checkpoint", "keep_checkpoints"}
-        | {"threads_per_rank"}
+        | {"threads_per_rank", "checkpoint_digest"}
         | {"collective_timeout_s"}
     ),
     "model": frozenset(),

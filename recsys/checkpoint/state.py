@@ -30,8 +30,11 @@ def _leaves(value: Any) -> Any:
 
 
 @torch.no_grad()
-def _copy_into(live: Any, saved: Any, where: str) -> None:
-    """Copy saved tensors into the live ones, in place (live storage is aliased by the kernels)."""
+def _copy_into(live: Any, saved: Any, where: str, skip: Callable[[str], bool] = lambda _: False) -> None:
+    """Copy saved tensors into the live ones, in place (live storage is aliased by the kernels); what
+    ``skip(path)`` names is left alone."""
+    if skip(where):
+        return
     if hasattr(live, "local_shards"):
         shards = live.local_shards()
         if len(shards) != len(saved):
@@ -42,9 +45,11 @@ def _copy_into(live: Any, saved: Any, where: str) -> None:
         _copy_tensor(live, saved, where)
     elif isinstance(live, dict):
         for key, value in live.items():
+            if skip(f"{where}.{key}"):
+                continue
             if key not in saved:
                 raise CheckpointError(f"checkpoint does not match the model: {where}.{key} is missing")
-            _copy_into(value, saved[key], f"{where}.{key}")
+            _copy_into(value, saved[key], f"{where}.{key}", skip)
 
 
 def _offsets(value: Any, where: str) -> dict[str, list[list[int]]]:
@@ -160,7 +165,8 @@ def load_checkpoint(path: Path, *, dmp: Any, dense_optimizer: Any, skip_tables: 
     A checkpoint written by another number of ranks is re-partitioned: every sharded tensor (embedding
     shards and their fused-optimizer state) is assembled from the old ranks' shards by global offsets;
     dense parameters and the dense optimizer are replicated and come from old rank 0. ``skip_tables``
-    (tiered slot tables, whose rows the store restores) are left alone in that case.
+    (tiered slot tables, whose rows the store restores into an empty device tier) are left alone, so
+    their slots per owner may differ from the checkpoint's.
 
     Raises:
         CheckpointError: ``meta.json`` is refused by :func:`checkpoint_meta`, a rank file does not load,
@@ -169,12 +175,16 @@ def load_checkpoint(path: Path, *, dmp: Any, dense_optimizer: Any, skip_tables: 
     rank, world = _rank_world()
     meta = checkpoint_meta(path)
     old_world = meta["world_size"]
+
+    def skip(where: str) -> bool:  # a tiered slot table, or its optimizer state
+        return any(f"embedding_bags.{name}." in f"{where}." for name in skip_tables)
+
     try:
         if old_world == world:
             payload = _load_rank_file(path, rank, meta)
-            _copy_into(dmp.state_dict(), payload["model"], "model")
+            _copy_into(dmp.state_dict(), payload["model"], "model", skip)
             fused = dmp.fused_optimizer.state_dict()["state"]
-            _copy_into(fused, payload["fused_optimizer"], "fused_optimizer")
+            _copy_into(fused, payload["fused_optimizer"], "fused_optimizer", skip)
         else:
             # mmap: the old ranks' files are read piece by piece, never all in memory at once.
             payloads = [_load_rank_file(path, q, meta, mmap=True) for q in range(old_world)]
@@ -183,9 +193,6 @@ def load_checkpoint(path: Path, *, dmp: Any, dense_optimizer: Any, skip_tables: 
                     f"checkpoint {path} was written by {old_world} ranks, this run has {world}, and it "
                     "predates resharding (no shard offsets)"
                 )
-
-            def skip(where: str) -> bool:
-                return any(f"embedding_bags.{name}." in where for name in skip_tables)
 
             for part in ("model", "fused_optimizer"):
                 live = dmp.state_dict() if part == "model" else dmp.fused_optimizer.state_dict()["state"]
