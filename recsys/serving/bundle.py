@@ -9,9 +9,11 @@ Layout of a bundle directory (no pickle anywhere: JSON, safetensors and raw floa
     tiered/data.mdb      tiered tables: one LMDB named DB per table, 8-byte big-endian id keys in
                          ascending order, values the packed float32 row (weights [then optimizer state])
 
-The file set is fixed (:data:`FILES`), so a manifest can never name a file outside the bundle. Reading a
-bundle checks that every file is there, has its recorded size and (``verify=True``) its checksum, and
-that nothing else is there; any problem is one :class:`BundleError` line.
+The file set is fixed (:data:`FILES`), so a manifest can never name a file outside the bundle, and a
+symbolic link anywhere in the bundle (``tiered/data.mdb -> /elsewhere/data.mdb``, ``tiered -> ...``) is
+refused, as is any file that resolves outside the bundle's folder. Reading a bundle checks that every
+file is there, a regular file, has its recorded size and (``verify=True``) its checksum, and that nothing
+else is there; any problem is one :class:`BundleError` line.
 """
 
 from __future__ import annotations
@@ -128,15 +130,37 @@ def _fail(path: Path, problem: str) -> BundleError:
 
 
 def _listed_files(path: Path) -> set[str]:
-    """Every non-folder entry under ``path``, relative, as manifest names."""
+    """Every non-folder entry under ``path``, relative, as manifest names; a symbolic link (to a file or a
+    folder, inside the bundle or not) or anything but a regular file is refused: a bundle serves only
+    its own files."""
     found = set()
-    for here, _dirs, names in os.walk(path):
+    for here, dirs, names in os.walk(path):
         rel = Path(here).relative_to(path)
+        for name in sorted(dirs + names):
+            entry = Path(here) / name
+            if entry.is_symlink():
+                raise _fail(
+                    path,
+                    f"{(rel / name).as_posix()} is a symbolic link (to {os.readlink(entry)}); "
+                    "a bundle serves only files inside it",
+                )
+            if name in names and not entry.is_file():
+                raise _fail(path, f"{(rel / name).as_posix()} is not a regular file")
         found |= {(rel / n).as_posix() for n in names}
     return found
 
 
+def _outside(path: Path, name: str) -> bool:
+    """Whether ``path/name`` resolves (symlinks included) anywhere but inside bundle ``path``."""
+    try:
+        return not (path / name).resolve(strict=True).is_relative_to(path.resolve(strict=True))
+    except (OSError, RuntimeError):  # gone meanwhile, or a symlink loop
+        return True
+
+
 def _check_manifest(path: Path, verify: bool) -> dict[str, Any]:
+    if (path / MANIFEST).is_symlink():
+        raise _fail(path, f"{MANIFEST} is a symbolic link; a bundle serves only files inside it")
     try:
         text = (path / MANIFEST).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -173,6 +197,8 @@ def _check_manifest(path: Path, verify: bool) -> dict[str, Any]:
         file = path / name
         if name not in present:
             raise _fail(path, f"incomplete: {name} is missing")
+        if _outside(path, name):
+            raise _fail(path, f"{name} resolves outside the bundle; a bundle serves only files inside it")
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
             raise _fail(path, f"{MANIFEST} entry of {name} is malformed (altered?)")
         size = file.stat().st_size

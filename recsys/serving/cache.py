@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from embedding_store.index import DenseIdMap, HashIdMap
-from recsys.serving.bundle import FeatureSpec
+from recsys.serving.bundle import BundleError, FeatureSpec
 
 __all__ = ["CacheStats", "LmdbRows", "RowCache", "open_rows"]
 
@@ -46,21 +46,58 @@ class LmdbRows:
     """
 
     def __init__(self, path: Path, *, tables: list[str], row_floats: int) -> None:
+        self._where = f"bundle {path.parent}: {path.name}/data.mdb"
         # lock=False: nothing ever writes this environment, so readers need no lock table (and no
         # lock.mdb appears in the bundle). readahead=False: lookups are random.
-        self._env = lmdb.open(
-            str(path), readonly=True, lock=False, subdir=True, max_dbs=len(tables) + 1, readahead=False
-        )
-        self._dbs = {t: self._env.open_db(t.encode(), create=False) for t in tables}
+        try:
+            self._env = lmdb.open(
+                str(path), readonly=True, lock=False, subdir=True, max_dbs=len(tables) + 1, readahead=False
+            )
+        except lmdb.Error as err:
+            raise BundleError(f"{self._where} is not a readable LMDB environment (damaged?): {err}") from None
+        self._dbs = {}
+        try:
+            for t in tables:
+                try:
+                    self._dbs[t] = self._env.open_db(t.encode(), create=False)
+                except lmdb.NotFoundError:
+                    raise BundleError(f"{self._where} holds no table {t} (damaged?)") from None
+        except BaseException as err:
+            self._env.close()
+            if isinstance(err, lmdb.Error):
+                raise BundleError(f"{self._where} is damaged: {err}") from None
+            raise
         self.row_floats = row_floats
+
+    def check(self, table: str, rows: int) -> None:
+        """Refuse, before any lookup, a table that does not hold ``rows`` rows of ``row_floats`` floats
+        (its entry count, and the size of its first and last rows: the export writes one size)."""
+        try:
+            with self._env.begin(db=self._dbs[table], buffers=False) as txn:
+                entries = txn.stat(self._dbs[table])["entries"]
+                cursor = txn.cursor()
+                sizes = {len(cursor.value()) for more in (cursor.first(), cursor.last()) if more}
+        except lmdb.Error as err:
+            raise BundleError(f"{self._where} is damaged: {err}") from None
+        if entries != rows:
+            raise BundleError(f"{self._where}: table {table} holds {entries} rows, model.json says {rows}")
+        bad = sorted(n for n in sizes if n != 4 * self.row_floats)
+        if bad:
+            raise BundleError(
+                f"{self._where}: table {table} holds rows of {bad[0]} bytes ({bad[0] / 4:g} floats), "
+                f"model.json says {self.row_floats} floats (rows of another model?)"
+            )
 
     def read(self, table: str, ids: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
         """Weights of (N,) sorted unique ids: ``(found (N,) bool, rows (F, dim))`` for the F found ids."""
         found = np.zeros(ids.shape[0], dtype=bool)
         if ids.shape[0] == 0:
             return found, np.empty((0, dim), dtype=np.float32)
-        with self._env.begin(db=self._dbs[table], buffers=False) as txn:
-            pairs = txn.cursor().getmulti(_keys(ids))
+        try:
+            with self._env.begin(db=self._dbs[table], buffers=False) as txn:
+                pairs = txn.cursor().getmulti(_keys(ids))
+        except lmdb.Error as err:
+            raise BundleError(f"{self._where} is damaged: {err}") from None
         if len(pairs) == ids.shape[0]:
             found[:] = True
         elif pairs:
@@ -68,7 +105,10 @@ class LmdbRows:
             found[np.searchsorted(ids, found_ids)] = True
         values = b"".join(v for _, v in pairs)
         if len(values) != 4 * self.row_floats * len(pairs):
-            raise ValueError(f"tiered table {table!r}: rows of unexpected size in the bundle")
+            raise BundleError(
+                f"{self._where}: table {table} holds rows of another size than model.json's "
+                f"{self.row_floats} floats"
+            )
         rows = np.frombuffer(values, dtype=np.float32).reshape(len(pairs), self.row_floats)
         return found, np.ascontiguousarray(rows[:, :dim])
 

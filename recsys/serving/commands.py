@@ -12,8 +12,11 @@ modules are imported when a command runs, so that ``recsys --help`` stays quick.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,12 +161,55 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Stopped(BaseException):
+    """SIGTERM during export or predict, raised like SIGINT's KeyboardInterrupt (no ``except Exception``
+    catches it), so that the command removes what it was writing on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """While inside, SIGTERM raises :class:`_Stopped` (once: a second SIGTERM kills at once)."""
+
+    def stop(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise _Stopped(signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread (run as a library): no handler, SIGTERM's default
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the parsed serving command; a user error is one line on stderr and exit code 2."""
+    """Run the parsed serving command; a user error is one line on stderr and exit code 2. SIGINT or
+    SIGTERM during export or predict: one line, nothing written, exit code 128 + the signal's number
+    (as ``recsys train`` stopped by a signal)."""
     from recsys.errors import UserError
 
     handler = {"evaluate": _evaluate, "export": _export, "predict": _predict}[args.command]
+    if args.command == "evaluate":  # its ranks have their own signal handling
+        try:
+            return handler(args)
+        except UserError as err:
+            return _fail(str(err))
     try:
-        return handler(args)
+        with _sigterm_stops():
+            return handler(args)
     except UserError as err:
         return _fail(str(err))
+    except (KeyboardInterrupt, _Stopped) as stop:
+        signum = stop.signum if isinstance(stop, _Stopped) else signal.SIGINT
+        what = f"no bundle was written to {args.out}"
+        if args.command == "predict":
+            what = f"{args.out} was not written (a file already there is left as it was)"
+        print(f"recsys: {args.command} stopped by {signal.Signals(signum).name}; {what}", file=sys.stderr)
+        return 128 + signum

@@ -1,7 +1,9 @@
 """``recsys export``: a checkpoint of any number of ranks as one self-contained serving bundle.
 
 The bundle (layout in :mod:`recsys.serving.bundle`) is written into a temporary sibling folder and
-renamed into place once its manifest is written, so a bundle directory is either complete or absent.
+renamed into place once its manifest is written, so a bundle directory is either complete or absent: a
+failure (a full disk included) or SIGINT removes the temporary folder, and the temporary folder of an
+export killed outright is removed by the next export to the same place (:mod:`recsys.serving.output`).
 
 Streaming, with memory bounded by ``buffer_rows`` rows rather than by the tables:
 
@@ -40,6 +42,7 @@ from recsys.checkpoint import checkpoint_meta
 from recsys.config import config_to_dict
 from recsys.errors import UserError
 from recsys.serving.bundle import DENSE, FORMAT, MANIFEST, MODEL, TABLES, TIERED, VERSION, describe_files
+from recsys.serving.output import remove_stale, temporary, write_failure
 from recsys.serving.runs import find_checkpoint, run_config
 
 __all__ = ["ExportOptions", "export_bundle"]
@@ -259,8 +262,10 @@ class _TieredWriter:
                 self._env.set_mapsize(2 * self._env.info()["map_size"])
 
     def close(self) -> None:
-        self._env.sync(True)
-        self._env.close()
+        try:
+            self._env.sync(True)
+        finally:
+            self._env.close()
 
 
 # -- the export ---------------------------------------------------------------------------------------
@@ -286,10 +291,11 @@ def export_bundle(
     path = find_checkpoint(run, checkpoint)
     config, source = run_config(run, path, [])
     meta = checkpoint_meta(path)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    remove_stale(out)  # what an export killed outright (SIGKILL) left beside it
+    tmp = temporary(out)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         order = meta.get("features") or _dataset_order(config)
         spec = meta.get("spec") if meta.get("features") else _config_spec(config)
         report = _write(path, tmp, config=config, world=int(meta["world_size"]), order=order, options=options)
@@ -313,9 +319,12 @@ def export_bundle(
         for name in [*files, MANIFEST]:
             os.chmod(tmp / name, 0o444)  # a bundle is read-only; the scorer opens its LMDB read-only
         tmp.rename(out)
-    except BaseException:
+    except BaseException as err:  # an error, a full disk, SIGINT: no half-written bundle stays
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        failure = write_failure(err, out, "export again")
+        if failure is None:
+            raise
+        raise failure from err
     report.update(
         bundle=str(out),
         checkpoint=str(path),

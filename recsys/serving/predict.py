@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from recsys.errors import UserError
 from recsys.serving.bundle import read_bundle
+from recsys.serving.output import remove_stale, temporary, write_failure
 
 if TYPE_CHECKING:
     from recsys.config import RunConfig
@@ -211,7 +212,7 @@ class _Writer:
 
     def __init__(self, path: Path, kind: str, columns: list[str]) -> None:
         self.path, self.kind, self.columns = path, kind, columns
-        self._tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self._tmp = temporary(path)
         self._pending: list[dict[str, Any]] = []
         self._pending_rows = 0
         self._file: Any = None
@@ -363,7 +364,14 @@ def predict(
             )
         keys = _keys(dataset, keep)
         source = _parts(dataset, split, opts["batch_size"], opts["rows"], bool(inputs))
-        return _score(scorer, source, keys, out, kind, split if not inputs else "input", opts["rows"])
+        remove_stale(out)  # what a predict killed outright (SIGKILL) left beside it
+        try:
+            return _score(scorer, source, keys, out, kind, split if not inputs else "input", opts["rows"])
+        except OSError as err:  # a full disk; the temporary file is gone already
+            failure = write_failure(err, out, "predict again")
+            if failure is None:
+                raise
+            raise failure from err
     finally:
         scorer.close()
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from embedding_store.init import init_rows
@@ -79,6 +80,17 @@ def _jagged(sparse: SparseInput, names: list[str]) -> dict[str, tuple[np.ndarray
     return out
 
 
+def _load_tensors(bundle: Bundle, name: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file of the bundle; a malformed one is a :class:`BundleError` (its
+    manifest entry may match: an altered bundle re-hashed, or one read without checksums)."""
+    try:
+        return load_file(bundle.file(name))
+    except (SafetensorError, OSError) as err:
+        raise BundleError(
+            f"bundle {bundle.path}: {name} is not a readable safetensors file ({err})"
+        ) from None
+
+
 class Scorer:
     """Click probabilities of raw feature batches under an exported model (thread-safe).
 
@@ -109,7 +121,7 @@ class Scorer:
         except UserError as err:
             raise BundleError(str(err)) from None
         self._raw: RawFields | None = None
-        dense = load_file(bundle.file(DENSE))
+        dense = _load_tensors(bundle, DENSE)
         try:
             model = build_dense_model(
                 bundle.arch, dense, num_dense=self.num_dense, num_sparse=len(self.features)
@@ -117,7 +129,7 @@ class Scorer:
         except ValueError as err:
             raise BundleError(f"bundle {bundle.path}: {err}") from None
         self._model = model.to(device)
-        tables = load_file(bundle.file(TABLES))
+        tables = _load_tensors(bundle, TABLES)
         self._plain: dict[str, torch.Tensor] = {}
         for f in bundle.features:
             if f.kind == "plain":
@@ -127,6 +139,10 @@ class Scorer:
                     raise BundleError(
                         f"bundle {bundle.path}: table {f.table} is {shape} in {TABLES}, model.json says {(f.rows, f.dim)}"
                     )
+                if weight.dtype != torch.float32:
+                    raise BundleError(
+                        f"bundle {bundle.path}: table {f.table} is {weight.dtype} in {TABLES}, not float32"
+                    )
                 self._plain[f.name] = weight.to(device)
         tiered = [f for f in bundle.features if f.kind == "tiered"]
         self._rows: LmdbRows | None = None
@@ -135,6 +151,8 @@ class Scorer:
             self._rows = open_rows(
                 bundle.file(TIERED).parent, tables=[f.table for f in tiered], row_floats=bundle.row_floats
             )
+            for f in tiered:  # a damaged or foreign LMDB is refused here, not at the first lookup
+                self._rows.check(f.table, f.rows)
             for f in tiered:
                 rows = cache_rows.get(f.name, 0) if isinstance(cache_rows, Mapping) else cache_rows
                 self._caches[f.name] = RowCache(self._rows, f, capacity=int(rows), fill=self._filler(f))
