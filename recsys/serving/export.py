@@ -22,13 +22,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
 import shutil
-import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +42,11 @@ from recsys.errors import UserError
 from recsys.serving.bundle import DENSE, FORMAT, MANIFEST, MODEL, TABLES, TIERED, VERSION, describe_files
 from recsys.serving.output import remove_stale, temporary, write_failure
 from recsys.serving.runs import find_checkpoint, run_config
+from recsys.serving.safetensors_stream import SAFETENSORS_DTYPES, Chunks, tensor_chunks, write_safetensors
 
 __all__ = ["ExportOptions", "export_bundle"]
 
 _TABLE_KEY = re.compile(r"(?:^|\.)embedding_bags\.(?P<table>[^.]+)\.weight$")
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
 # Where embedding_store keeps a store's metadata (embedding_store.lmdb_backend): JSON with the seed and
 # each table's dim, optimizer, id space and init scale.
 _STORE_META_DB, _STORE_META_KEY = b"__meta__", b"format"
@@ -71,55 +69,6 @@ class ExportOptions:
     def __post_init__(self) -> None:
         if self.buffer_rows < 1:
             raise UserError(f"--buffer-rows must be >= 1, got {self.buffer_rows}")
-
-
-# -- safetensors, streamed ----------------------------------------------------------------------------
-
-Chunks = Callable[[], Iterator[np.ndarray]]
-
-
-def _write_safetensors(
-    path: Path, entries: list[tuple[str, tuple[int, ...], str, Chunks]], meta: dict[str, str]
-) -> None:
-    """Write a safetensors file whose tensors arrive in chunks (rows of each, in order).
-
-    The format: an 8-byte little-endian header length, a JSON header of every tensor's dtype, shape and
-    byte range (padded with spaces to 8 bytes), then the tensors' bytes back to back.
-    """
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, shape, dtype, _ in entries:
-        size = math.prod(shape) * (8 if dtype in ("F64", "I64") else 4)
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    header["__metadata__"] = meta
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, _shape, _dtype, chunks in entries:
-            start = f.tell()
-            for chunk in chunks():
-                f.write(np.ascontiguousarray(chunk).data)
-            begin, end = header[name]["data_offsets"]
-            if f.tell() - start != end - begin:
-                raise RuntimeError(f"export: {name} wrote {f.tell() - start} bytes, expected {end - begin}")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _tensor_chunks(tensor: torch.Tensor, rows: int) -> Chunks:
-    """A tensor's bytes, ``rows`` rows at a time."""
-
-    def chunks() -> Iterator[np.ndarray]:
-        if tensor.dim() == 0 or tensor.shape[0] == 0:
-            yield tensor.detach().contiguous().numpy()
-            return
-        for start in range(0, tensor.shape[0], rows):
-            yield tensor[start : start + rows].detach().contiguous().numpy()
-
-    return chunks
 
 
 # -- the checkpoint's pieces --------------------------------------------------------------------------
@@ -182,7 +131,7 @@ def _assembled(
         for off, rank, _ in blocks:
             payload = _load_rank(checkpoint, rank)  # the mapping ends with this block: RSS stays bounded
             block = dict(_table_blocks(payload, key, part))[off]
-            yield from _tensor_chunks(block, rows)()
+            yield from tensor_chunks(block, rows)()
             del payload, block
 
     return shape, chunks
@@ -373,17 +322,17 @@ def _write(
         )
     dense = {k: v for k, v in first["model"].items() if not _TABLE_KEY.search(k)}
     bad = sorted(
-        k for k, v in dense.items() if not isinstance(v, torch.Tensor) or v.dtype not in _SAFETENSORS_DTYPES
+        k for k, v in dense.items() if not isinstance(v, torch.Tensor) or v.dtype not in SAFETENSORS_DTYPES
     )
     if bad:
         raise UserError(
             f"checkpoint {checkpoint}: dense state {bad[0]} is not a plain float or integer tensor"
         )
     entries = [
-        (k, tuple(v.shape), _SAFETENSORS_DTYPES[v.dtype], _tensor_chunks(v, options.buffer_rows))
+        (k, tuple(v.shape), SAFETENSORS_DTYPES[v.dtype], tensor_chunks(v, options.buffer_rows))
         for k, v in dense.items()
     ]
-    _write_safetensors(out / DENSE, entries, {"format": FORMAT})
+    write_safetensors(out / DENSE, entries, {"format": FORMAT})
     first_layer = dense.get(
         "model.dense_arch.weight", dense.get("model.dense_arch.model._mlp.0._linear.weight")
     )
@@ -429,7 +378,7 @@ def _write(
                 checkpoint, world, key, state_names[table], options.buffer_rows
             )  # type: ignore[arg-type]
             plain_entries.append((f"{table}.state", state_shape, "F32", state_chunks))
-    _write_safetensors(out / TABLES, plain_entries, {"format": FORMAT})
+    write_safetensors(out / TABLES, plain_entries, {"format": FORMAT})
 
     tiered = [t for t in table_keys if t in layouts]
     row_floats = None

@@ -19,8 +19,6 @@ need it).
 from __future__ import annotations
 
 import contextlib
-import csv
-import os
 import tomllib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from recsys.errors import UserError
 from recsys.serving.bundle import read_bundle
-from recsys.serving.output import remove_stale, temporary, write_failure
+from recsys.serving.output import remove_stale, write_failure
+from recsys.serving.score_file import ScoreFile, out_kind
 
 if TYPE_CHECKING:
     from recsys.config import RunConfig
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["predict", "SPLITS"]
 
 SPLITS = ("eval", "train", "all")
-_PARQUET_GROUP_ROWS = 1 << 16
 _OWN_COLUMNS = ("file", "line", "row", "split", "label", "logit", "score")
 
 
@@ -206,107 +204,6 @@ def _factory_blocks(dataset: Dataset, split: str, batch_size: int, limit: int | 
         yield Block(batch.dense.numpy(), ids, batch.labels.numpy())
 
 
-class _Writer:
-    """Rows out to CSV or Parquet (by the file's suffix), appended batch by batch, into a temporary file
-    beside ``path`` that :meth:`close` renames into place (``keep``) or removes."""
-
-    def __init__(self, path: Path, kind: str, columns: list[str]) -> None:
-        self.path, self.kind, self.columns = path, kind, columns
-        self._tmp = temporary(path)
-        self._pending: list[dict[str, Any]] = []
-        self._pending_rows = 0
-        self._file: Any = None
-        self._parquet: Any = None
-        try:
-            self._open()
-        except BaseException:
-            self.close(keep=False)
-            raise
-
-    def _open(self) -> None:
-        if self.kind == "parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            types = {"line": pa.int64(), "row": pa.int64(), "label": pa.float32()}
-            types |= {"logit": pa.float32(), "score": pa.float32()}
-            self._pa = pa
-            self._schema = pa.schema([(c, types.get(c, pa.string())) for c in self.columns])
-            self._parquet = pq.ParquetWriter(self._tmp, self._schema)
-            return
-        import gzip
-
-        # Open for the writer's lifetime; close() ends it (on success and on failure alike).
-        opener = gzip.open if self.path.name.lower().endswith(".gz") else open
-        self._file = opener(self._tmp, "wt", newline="")  # noqa: SIM115
-        self._csv = csv.writer(self._file, lineterminator="\n")
-        self._csv.writerow(self.columns)
-
-    def write(self, columns: dict[str, Any]) -> None:
-        import numpy as np
-
-        if self.kind == "csv":
-            text = []
-            for name in self.columns:
-                values = columns[name]
-                if name in ("logit", "score"):
-                    values = np.char.mod("%.9g", values)
-                elif name == "label":
-                    values = np.char.mod("%g", values)
-                text.append(values)
-            self._csv.writerows(zip(*text, strict=True))
-            return
-        self._pending.append(columns)
-        self._pending_rows += len(columns["score"])
-        if self._pending_rows >= _PARQUET_GROUP_ROWS:
-            self._flush()
-
-    def _flush(self) -> None:
-        self._flush_to(self._parquet)
-
-    def _flush_to(self, parquet: Any) -> None:
-        import numpy as np
-
-        if not self._pending:
-            return
-        data = {c: np.concatenate([p[c] for p in self._pending]) for c in self.columns}
-        parquet.write_table(self._pa.table(data, schema=self._schema))
-        self._pending, self._pending_rows = [], 0
-
-    def close(self, *, keep: bool) -> None:
-        """Finish the file and rename it into place (``keep``), or remove it; whatever fails, no
-        temporary file stays behind."""
-        try:
-            if self._parquet is not None:
-                parquet, self._parquet = self._parquet, None
-                if keep:
-                    self._flush_to(parquet)
-                parquet.close()
-            if self._file is not None:
-                file, self._file = self._file, None
-                file.close()
-            if keep:
-                os.replace(self._tmp, self.path)
-        finally:
-            if not keep or self._tmp.exists():
-                self._tmp.unlink(missing_ok=True)
-
-
-def _out_kind(out: Path) -> str:
-    name = out.name.lower()
-    if name.endswith((".parquet", ".pq")):
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            raise UserError(
-                "Parquet output needs pyarrow: pip install 'tierrec[parquet]' (or write .csv)"
-            ) from None
-        return "parquet"
-    if name.endswith((".csv", ".csv.gz")):
-        return "csv"
-    raise UserError(f"--out {out}: the suffix must be .csv, .csv.gz, .parquet or .pq")
-
-
 def predict(
     bundle: Path,
     out: Path,
@@ -348,7 +245,7 @@ def predict(
     clash = [k for k in keep if k in _OWN_COLUMNS]
     if clash:
         raise UserError(f"--keep {','.join(clash)}: predict writes a column of that name itself")
-    kind = _out_kind(out)
+    kind = out_kind(out)
     parsed = read_bundle(bundle, verify=opts["verify"])  # a bad bundle is refused before the heavy imports
 
     config = _config(parsed.model.get("config") or {}, data, list(opts["overrides"]))
@@ -400,10 +297,10 @@ def _score(
     # at the end, so the scores are held until then.
     held: list[dict[str, Any]] | None = [] if keys is not None and data.memory else None
     done = 0
-    writer: _Writer | None = None
+    writer: ScoreFile | None = None
     bar: Any = None
     try:
-        writer = _Writer(out, kind, columns)
+        writer = ScoreFile(out, kind, columns)
         for row in _scored(scorer, data, what, limit):
             if bar is None:  # from the first row on: a refusal stays one line
                 bar = tqdm(total=data.total, unit="row", desc="predict", dynamic_ncols=True, mininterval=1.0)
@@ -466,13 +363,13 @@ def _scored(scorer: Any, data: _Data, what: str, limit: int | None) -> Iterator[
                 return
 
 
-def _write(writer: _Writer, keys: Any, row: dict[str, Any]) -> None:
+def _write(writer: ScoreFile, keys: Any, row: dict[str, Any]) -> None:
     if keys is not None:
         row.update(zip(keys.names, keys.values(row["origin"]), strict=True))
     writer.write(row)
 
 
-def _write_held(writer: _Writer, keys: Any, held: list[dict[str, Any]]) -> None:
+def _write_held(writer: ScoreFile, keys: Any, held: list[dict[str, Any]]) -> None:
     """Rows held back: their key columns read in one pass over the files, then written in order."""
     import numpy as np
 

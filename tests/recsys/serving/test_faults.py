@@ -38,6 +38,8 @@ RUN = "table_wise_2"
 DRIVER = """
 import importlib, os, signal, sys
 
+# Ctrl-C as in an interactive shell: a job started in the background (CI, nohup) inherits SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 target, signame, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 module, attr = target.split(":")
 owner_name, name = attr.split(".")

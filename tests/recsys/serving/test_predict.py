@@ -11,6 +11,7 @@ import torch
 from recsys.errors import UserError
 from recsys.metrics import auc_logloss
 from recsys.serving.predict import predict
+from recsys.serving.score_file import ScoreFile
 from tests.recsys.serving.conftest import cli, summary
 
 
@@ -261,7 +262,7 @@ def test_predict_refuses_what_it_cannot_do_in_one_line_and_leaves_no_file(shop, 
 
 @pytest.mark.parametrize("where", ["open", "write", "score", "interrupt", "close"])
 def test_a_failed_predict_leaves_no_file_behind(shop, tmp_path, monkeypatch, where):
-    import recsys.serving.predict as mod
+    import recsys.serving.score_file as mod
     from recsys.serving.scorer import Scorer
 
     root, run, bundle = shop
@@ -281,15 +282,15 @@ def test_a_failed_predict_leaves_no_file_behind(shop, tmp_path, monkeypatch, whe
         return wrapped
 
     if where == "open":  # the temporary file exists, then writing its header fails
-        original_open = mod._Writer._open
+        original_open = ScoreFile._open
 
         def open_then_fail(self):
             original_open(self)
             raise boom
 
-        monkeypatch.setattr(mod._Writer, "_open", open_then_fail)
+        monkeypatch.setattr(ScoreFile, "_open", open_then_fail)
     elif where == "write":
-        monkeypatch.setattr(mod._Writer, "write", fail_on_second(mod._Writer.write))
+        monkeypatch.setattr(ScoreFile, "write", fail_on_second(ScoreFile.write))
     elif where in ("score", "interrupt"):
         monkeypatch.setattr(Scorer, "logits", fail_on_second(Scorer.logits))
     else:
