@@ -359,7 +359,9 @@ class LmdbBackend:
         """Write ``(table, (N,) sorted unique ids, (N, R) float32 rows)`` groups in ONE transaction.
 
         Raises:
-            StoreFullError: the map hit its cap or the disk is full; nothing of ``writes`` was applied.
+            StoreFullError: the map hit its cap or the disk is full. Nothing of ``writes`` was applied,
+                except in the log layout when the compaction that follows the append is what failed:
+                the append was committed and is read back (the store is full either way).
         """
         if self._log is not None:
             try:

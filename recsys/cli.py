@@ -287,7 +287,7 @@ def _tune_cache(args: argparse.Namespace) -> int:
     from recsys.config import load_config
     from recsys.errors import UserError
     from recsys.store_config import parse_size
-    from recsys.tune.report import PLOTS_HINT, write_outputs
+    from recsys.tune.report import PLOTS_HINT, apply_command, write_outputs
     from recsys.tune.tuner import tune
 
     overrides = list(args.overrides)
@@ -325,9 +325,7 @@ def _tune_cache(args: argparse.Namespace) -> int:
     if not any(p.suffix == ".png" for p in paths):
         print(f"note: {PLOTS_HINT}")
     print(f"wrote {', '.join(str(p) for p in paths)}")
-    sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
-    tune_json = shlex.quote(f"store.capacities_from={args.out / 'tune.json'}")
-    print(f"apply: recsys train --config {shlex.quote(str(args.config))}{sets} --set {tune_json}")
+    print(f"apply: {apply_command(str(args.config), overrides, args.out / 'tune.json')}")
     return 0
 
 

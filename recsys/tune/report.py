@@ -10,7 +10,15 @@ from recsys.metrics import write_json
 from recsys.plot import PLOTS_HINT
 from recsys.tune.tuner import TuneResult
 
-__all__ = ["write_outputs", "PLOTS_HINT"]
+__all__ = ["apply_command", "write_outputs", "PLOTS_HINT"]
+
+
+def apply_command(config_path: str, overrides: list[str], tune_json: Path) -> str:
+    """The ``recsys train`` command that applies a tune: the config, every override of the tune (its
+    ``--nproc`` among them) and ``store.capacities_from``, each quoted for a POSIX shell."""
+    sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
+    tuned = shlex.quote(f"store.capacities_from={tune_json}")
+    return f"recsys train --config {shlex.quote(config_path)}{sets} --set {tuned}"
 
 
 def write_outputs(
@@ -76,8 +84,7 @@ def _markdown(
         "## Apply",
         "",
         "```bash",
-        f"recsys train --config {config_path}{''.join(f' --set {shlex.quote(o)}' for o in overrides)} "
-        f"--set store.capacities_from={out / 'tune.json'}",
+        apply_command(config_path, overrides, out / "tune.json"),
         "```",
         "",
         "or paste into the config:",
