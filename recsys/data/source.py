@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the readers import torch and torchrec: reading a config mus
     from recsys.data.batch import Batch
     from recsys.data.stats import SplitStats
 
-__all__ = ["Dataset", "DataConfig", "build_dataset", "check_source"]
+__all__ = ["Dataset", "DataConfig", "build_dataset", "check_source", "spec_of"]
 
 
 @runtime_checkable
@@ -122,6 +122,15 @@ def check_source(config: DataConfig) -> None:
     """
     if (spec_path := _spec_path(config)) is not None:
         load_spec(spec_path)
+
+
+def spec_of(config: DataConfig) -> DatasetSpec | None:
+    """The dataset spec ``config.source`` names, read (no data touched); None for ``synthetic``, a
+    factory ``module:function``, or a spec file that is not here (a bundle's, trained elsewhere)."""
+    if config.source == "synthetic":
+        return None
+    spec_path = resolve_spec_path(config.source)
+    return None if spec_path is None else load_spec(spec_path)
 
 
 def build_dataset(config: DataConfig, *, synthetic: SyntheticConfig, seed: int) -> Dataset:

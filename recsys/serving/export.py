@@ -246,7 +246,7 @@ def export_bundle(
     try:
         tmp.mkdir(parents=True)
         order = meta.get("features") or _dataset_order(config)
-        spec = meta.get("spec") if meta.get("features") else _config_spec(config)
+        spec = meta.get("spec") if meta.get("features") else _recorded_spec(config)
         report = _write(path, tmp, config=config, world=int(meta["world_size"]), order=order, options=options)
         model = {
             **report.pop("model"),
@@ -284,20 +284,21 @@ def export_bundle(
     return report
 
 
+def _recorded_spec(config: Any) -> dict[str, Any] | None:
+    """The dataset spec the config names, for a checkpoint saved before checkpoints recorded it."""
+    from recsys.data.source import spec_of
+    from recsys.data.spec import spec_to_dict
+
+    spec = spec_of(config.data)
+    return None if spec is None else spec_to_dict(spec)
+
+
 def _dataset_order(config: Any) -> list[str]:
     """The sparse features in the dataset's order, which the model was built in, for a checkpoint saved
     before checkpoints recorded the model's order (``meta.json``'s ``features``)."""
     from recsys.data.source import build_dataset
 
     return list(build_dataset(config.data, synthetic=config.synthetic, seed=config.train.seed).feature_names)
-
-
-def _config_spec(config: Any) -> dict[str, Any] | None:
-    """The dataset spec the config names, for a checkpoint saved before checkpoints recorded it."""
-    from recsys.data.spec import load_spec, resolve_spec_path, spec_to_dict
-
-    path = None if config.data.source == "synthetic" else resolve_spec_path(config.data.source)
-    return None if path is None else spec_to_dict(load_spec(path))
 
 
 def _digest_of(run: Path, step: int) -> str | None:

@@ -65,16 +65,6 @@ def _config(bundle_config: dict[str, Any], data: str | None, overrides: list[str
     return config_from_dict(tree, overrides)
 
 
-def _config_spec(config: RunConfig) -> DatasetSpec | None:
-    """The dataset spec ``data.source`` names; None for synthetic data and factories."""
-    from recsys.data.spec import load_spec, resolve_spec_path
-
-    if config.data.source == "synthetic":
-        return None
-    path = resolve_spec_path(config.data.source)
-    return None if path is None else load_spec(path)
-
-
 class _Data:
     """What to score: ``parts`` (split name, blocks of at most ``batch_size`` rows) in order, their rows
     (``total``, None when unknown), the files the blocks' origins number (``names``: relative to the
@@ -108,18 +98,18 @@ def _relative(path: Path, root: Path | None) -> str:
 
 
 def _dataset(parsed: Bundle, config: RunConfig, data: str | None, inputs: Sequence[Path]) -> Dataset:
-    from recsys.data.source import build_dataset, data_root
+    from recsys.data.source import build_dataset, data_root, spec_of
     from recsys.data.spec_dataset import input_dataset, scoring_dataset
 
     if inputs:
-        spec = _config_spec(config) if data is not None else _bundle_spec(parsed, config)
+        spec = spec_of(config.data) if data is not None else _bundle_spec(parsed, config)
         if spec is None:
             raise UserError(
                 "--input needs the dataset spec the model was trained with, and this bundle's data is "
                 f"{config.data.source!r}: pass --data SPEC"
             )
         return input_dataset(spec, list(inputs), on_error=config.data.on_error)
-    spec = _config_spec(config)
+    spec = spec_of(config.data)
     if spec is None or spec.format.value == "synthetic":
         return build_dataset(config.data, synthetic=config.synthetic, seed=config.train.seed)
     root = data_root(spec, config.data)
@@ -128,10 +118,11 @@ def _dataset(parsed: Bundle, config: RunConfig, data: str | None, inputs: Sequen
 
 def _bundle_spec(parsed: Bundle, config: RunConfig) -> DatasetSpec | None:
     """The spec recorded in the bundle, else the one its training config names."""
+    from recsys.data.source import spec_of
     from recsys.serving.raw import bundle_spec
 
     spec = bundle_spec(parsed.model, where=f"{parsed.path}/model.json")
-    return spec if spec is not None else _config_spec(config)
+    return spec if spec is not None else spec_of(config.data)
 
 
 def _parts(dataset: Dataset, split: str, batch_size: int, limit: int | None, inputs: bool) -> _Data:
