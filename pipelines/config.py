@@ -7,7 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PipelineConfig", "PipelineMode", "Stage", "StageSpec"]
+__all__ = ["TRACE_BATCHES", "PipelineConfig", "PipelineMode", "Stage", "StageSpec"]
+
+# The one default of how many batches a run's Chrome trace keeps: PipelineConfig's, Timeline's and the
+# recsys ``[pipeline]`` section's (docs/configuration.md). Small enough that a long run's trace stays a
+# few MB; 200 batches show the steady state well past warm-up.
+TRACE_BATCHES = 200
 
 
 class PipelineMode(enum.Enum):
@@ -98,7 +103,7 @@ class PipelineConfig:
     source_name: str = "source"
     source_capacity: int = 1
     consumer_name: str = Stage.COMPUTE.value
-    trace_batches: int = 1000
+    trace_batches: int = TRACE_BATCHES
     stall_fraction: float = 0.5
     join_timeout_s: float = 10.0
 

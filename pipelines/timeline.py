@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelines.config import TRACE_BATCHES
+
 __all__ = ["StageCounters", "Timeline", "stall_warning"]
 
 
@@ -55,7 +57,7 @@ class Timeline:
         trace_batches: only batches with a smaller index are kept as trace spans.
     """
 
-    def __init__(self, names: Sequence[str], *, rank: int = 0, trace_batches: int = 1000) -> None:
+    def __init__(self, names: Sequence[str], *, rank: int = 0, trace_batches: int = TRACE_BATCHES) -> None:
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {list(names)}")
         self.names = list(names)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from embedding_store.threads import lower_thread_priority
-from pipelines.config import PipelineMode
+from pipelines.config import TRACE_BATCHES, PipelineMode
 
 __all__ = ["PipelineSection"]
 
@@ -34,7 +34,7 @@ class PipelineSection:
     """
 
     mode: PipelineMode = PipelineMode.PIPELINED
-    trace_batches: int = 200
+    trace_batches: int = TRACE_BATCHES
     worker_nice: int = 10
     frozen_windows: int = 1
 

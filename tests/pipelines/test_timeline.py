@@ -14,8 +14,10 @@ from pipelines import (
     PipelineMode,
     StagedPipeline,
     StageSpec,
+    Timeline,
     stall_warning,
 )
+from pipelines.config import TRACE_BATCHES
 from tests.pipelines.helpers import sleeper
 
 CPU = DeviceContext("cpu")
@@ -95,6 +97,14 @@ def test_trace_keeps_only_the_first_batches(tmp_path: Path):
     events = x_events(json.loads(pipe.write_trace(tmp_path / "t.json").read_text()))
     assert len(events) == 3 * 3  # source, a, compute
     assert pipe.stats()["stages"]["a"]["items"] == NUM_ITEMS  # counters still cover every batch
+
+
+def test_one_default_trace_size_for_the_config_and_the_timeline():
+    assert PipelineConfig().trace_batches == TRACE_BATCHES
+    timeline = Timeline(["a"])
+    for batch in range(TRACE_BATCHES + 5):
+        timeline.add_work("a", batch, batch, batch + 1)
+    assert [span[0] for span in timeline.counters["a"].spans] == list(range(TRACE_BATCHES))
 
 
 def test_stall_warning_names_the_slow_stage_when_the_consumer_waits():
