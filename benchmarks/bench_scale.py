@@ -9,22 +9,22 @@ pages dropped every 1,024 rows so RSS stays bounded). It reports, as its LAST li
   row is there) and ``lmdb_gib``, the size of its file;
 - ``wall_s`` (the fit) and ``samples_per_s_first_tenth`` / ``_last_tenth`` (over the first and last tenth
   of the steps, from the fit's per-window rates);
-- ``writeback_rows_per_s``: rows written to LMDB per second of the fit; the log's appends, compaction
-  copies and compactions; ``disk`` (``/proc/self/io``: ``wchar``, what the process handed the kernel;
+- ``writeback_rows_per_s``: rows written to LMDB per second of the fit (``writeback_rows``: with the
+  final flush, from the store's counters); ``disk`` (``/proc/self/io``: ``wchar``, what the process handed the kernel;
   the device's sectors written, ``/sys/dev/block``, which counts other processes too) and
   ``disk_write_bytes_per_row_byte``: the lesser per byte of rows written back (the final flush included);
 - ``peak_rss_gib`` (``VmHWM`` at the end of the fit and its final flush, and the peak sampled ``VmRSS`` with
   its anonymous / file split and ``peak_rss_sampled_in``: the fit or the final flush;
   ``peak_rss_with_check_gib`` includes the check's second index) against
   ``host_budget_gib``: the host tier's rows plus the device tier's slots (the CPU is the device here),
-  and ``rss_limit_gib`` = budget + 3 GiB; ``log_index_gib`` is the id index inside it;
+  and ``rss_limit_gib`` = budget + 3 GiB;
 - ``checked_rows``, ``rows_exact``: ``--check`` (1,000) ids sampled from the training batches before the
   run; an independent replay records each one's row straight from the slot table every time a batch that
   holds it has finished its optimizer step (a dict oracle: the newest row of each sampled id), and at the
   end the reopened store's copy of every sampled row must equal it bit for bit.
 
 Usage: python benchmarks/bench_scale.py [--target-ids 100000000] [--steps 1700] [--dir /tmp/bench_scale]
-       [--quick]   (a ~2-minute smoke run: 2 M ids)
+       [--smoke]   (a run of seconds at tiny sizes: the code path, not a measurement)
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ from typing import Any
 import numpy as np
 import torch
 from harness import emit, machine_info, quiet
-from ssd_writeback import _Io
+from ssd_tier.disk import DiskIo
 from tiered_training.runs import Windows
 
-from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store import Tier
+from embedding_store.backends import open_backend
 from recsys.build import TrainSpec
 from recsys.config import config_from_dict
 from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer = Trainer(
         cfg, ENV, out_dir=args.dir / "run", spec=TrainSpec(tables=recording_tables(sample, oracle))
     )
-    io = _Io(args.dir)
+    io = DiskIo(args.dir)
     with RssProbe() as rss:
         trainer.start(resume=False)
         windows = Windows(trainer.step, args.dir / "run" / "metrics.jsonl")
@@ -201,28 +202,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counters = tiered.counters()
         column = TieredTables.COUNTERS.index("ssd_rows_written")
         written_in_fit = int(sum(float(c[column]) for c in counters.values()))
-        backend_log = tiered.store._backend._log
-        log_stats = None if backend_log is None else backend_log.stats
-        index_bytes = (
-            0 if backend_log is None else sum(t.index.nbytes() for t in backend_log._tables.values())
-        )
-        specs = tiered._store_args
+        store = tiered.store
+        config, tables = store.config, list(store.tables.values())
         trainer.close()  # flushes every row held above LMDB
-        del tiered, backend_log, trainer  # the store's index goes before the check opens the store again
+        # rows written into LMDB, the final flush included (the counters outlive the closed store)
+        written = sum(c[Tier.SSD].rows_in for c in store.counters().values())
+        del tiered, store, trainer  # the store's index goes before the check opens the store again
         train_peak = dict(rss.peak)
         peak_in = "fit" if rss.peak_at_s <= fit_end_s else "final flush"
     fit_hwm = _hwm()
     os.sync()
-    written = written_in_fit if log_stats is None else log_stats.appended_rows
     disk = io.delta()
     store_dir = args.dir / "store" / "rank_0"
-    backend = LmdbBackend(
-        store_dir, options=specs["config"].lmdb, seed=specs["config"].seed, tables=specs["tables"]
-    )
+    backend = open_backend(store_dir, options=config.lmdb, seed=config.seed, tables=tables)
     try:
-        rows_in_lmdb = sum(backend.num_rows(t.name) for t in specs["tables"])
+        rows_in_lmdb = sum(backend.num_rows(t.name) for t in tables)
         checked = exact = 0
-        for spec in specs["tables"]:
+        for spec in tables:
             want = oracle.get(spec.name, {})
             ids = np.array(sorted(want), dtype=np.int64)
             found, rows = backend.get_rows(spec.name, ids)
@@ -254,9 +250,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "writeback_rows": written,  # the final flush included
         "writeback_rows_in_fit": written_in_fit,
         "writeback_rows_per_s": written_in_fit / wall,
-        "log": None
-        if log_stats is None
-        else {k: getattr(log_stats, k) for k in log_stats.__dataclass_fields__},
         "disk": disk,
         "disk_write_bytes_per_row_byte": min(disk["wchar"], disk.get("dev_write_bytes", disk["wchar"]))
         / payload,
@@ -267,7 +260,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_with_check_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
         "host_budget_gib": budget / GIB,
         "rss_limit_gib": budget / GIB + 3,
-        "log_index_gib": index_bytes / GIB,
         "checked_rows": checked,
         "rows_exact": exact,
         "all_exact": checked > 0 and exact == checked,
@@ -289,16 +281,11 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=1000, help="sampled rows compared with the replay")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_scale"))
     parser.add_argument("--keep", action="store_true", help="keep the store")
-    parser.add_argument("--quick", action="store_true", help="2 M ids: 40 steps of 8,192, small tiers")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 2 tables, 6 steps of 512, tiny tiers")
     args = parser.parse_args()
-    if args.quick:
-        args.target_ids, args.steps, args.batch, args.host_rows, args.device_rows = (
-            2_000_000,
-            40,
-            8192,
-            65536,
-            65536,
-        )
+    if args.smoke:
+        args.target_ids, args.steps, args.batch, args.tables, args.check = 1000, 6, 512, 2, 50
+        args.host_rows, args.device_rows = 1024, 2048
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     quiet()

@@ -2,7 +2,7 @@
 sustained write-back into a large store against LMDB's sorted bulk append, each measured in the same run.
 
 1. Fill: ``--rows`` rows of ``--dim`` floats + row-wise Adagrad (dim 64: 260 bytes) through
-   ``LmdbBackend.put_rows`` in sorted bulk transactions, then fsync.
+   the backend's ``put_rows`` in sorted bulk transactions, then fsync.
 2. Each measurement drops ``data.mdb`` from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``; the
    share of its pages still cached, by ``mincore``, is printed), opens a fresh :class:`TieredStore` (empty
    host tier) with ``LmdbOptions.read_threads = T`` and announces (``lookahead``) and ``prefetch``-es
@@ -21,7 +21,7 @@ the sizes. Each prefetch repeat is followed by a warm one of the same batches (a
 pages now cached): ``warm_parallel_vs_sequential`` is what splitting costs where no read faults. The store
 (``--dir``) is deleted at the end unless ``--keep``.
 
-4. Write-back (``benchmarks/ssd_store_writeback.py``): a log-layout store of ``--writeback-base-rows``
+4. Write-back (``ssd_tier/writeback.py``): a log-layout store of ``--writeback-base-rows``
    hashed ids (default 50 M, ~13 GiB), random stored ids written back in transactions of
    ``--writeback-batch`` rows until compaction runs, then a measured window of ``--writeback-rows``;
    the same number of rows appended in id order into an empty LMDB, a part after each of the log's three
@@ -32,7 +32,7 @@ pages now cached): ``warm_parallel_vs_sequential`` is what splitting costs where
    size of free disk; ``--skip-writeback`` / ``--skip-reads`` run one half; ``--log-compact-at`` sets the
    log's ``LmdbOptions.log_compact_at`` (more dead records kept, fewer copies).
 
-Usage: python benchmarks/bench_ssd.py [--rows 4000000] [--dir /tmp/bench_ssd] [--quick]
+Usage: python benchmarks/bench_ssd.py [--rows 4000000] [--dir /tmp/bench_ssd] [--smoke]
        [--writeback-base-rows 50000000] [--writeback-rows 30000000] [--btree-rows 1000000]
        [--log-compact-at 0.4]
 """
@@ -53,11 +53,11 @@ from typing import Any
 import numpy as np
 import torch
 from harness import alternate, emit, machine_info
-from ssd_store_writeback import run_writeback
+from ssd_tier.writeback import run_writeback
 from tiered_training.cold import cached_fraction, drop_page_cache
 
 from embedding_store import LmdbOptions, OptimizerKind, StoreConfig, TableSpec, Tier, TieredStore
-from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.backends import open_backend
 
 FILL_CHUNK = 1 << 18  # rows per fill transaction
 MAP_BYTES = 1 << 36  # no map growth during the fill (LMDB does not preallocate)
@@ -81,7 +81,7 @@ def fill(path: Path, spec: TableSpec, num_rows: int) -> float:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     start = time.perf_counter()
-    backend = LmdbBackend(path, options=LmdbOptions(initial_map_size_bytes=MAP_BYTES), seed=0, tables=[spec])
+    backend = open_backend(path, options=LmdbOptions(initial_map_size_bytes=MAP_BYTES), seed=0, tables=[spec])
     try:
         for low in range(0, num_rows, FILL_CHUNK):
             ids = np.arange(low, min(num_rows, low + FILL_CHUNK), dtype=np.int64)
@@ -206,7 +206,7 @@ def main() -> None:
     parser.add_argument("--fio", action="store_true", help="measure the disk with fio where installed")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_ssd"))
     parser.add_argument("--keep", action="store_true", help="keep the store")
-    parser.add_argument("--quick", action="store_true", help="small sizes throughout (a smoke run)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes throughout, seconds (a test run)")
     parser.add_argument("--writeback-base-rows", type=int, default=50_000_000, help="rows before write-back")
     parser.add_argument("--writeback-rows", type=int, default=30_000_000, help="rows of the measured window")
     parser.add_argument(
@@ -218,13 +218,24 @@ def main() -> None:
         default=None,
         help="the log's LmdbOptions.log_compact_at (default: its default)",
     )
+    parser.add_argument(
+        "--log-segment-rows", type=int, default=None, help="the log's LmdbOptions.log_segment_rows"
+    )
     parser.add_argument("--btree-rows", type=int, default=1_000_000, help="B-tree layout window (0: skip)")
     parser.add_argument("--skip-writeback", action="store_true")
     parser.add_argument("--skip-reads", action="store_true")
     args = parser.parse_args()
-    if args.quick:
-        args.rows, args.batches, args.repeats, args.sweep = 400_000, 4, 1, ""
-        args.writeback_base_rows, args.writeback_rows, args.btree_rows = 1_000_000, 1_000_000, 100_000
+    if args.smoke:  # a store of 20,000 rows, segments of 2,048 so that compaction runs in the window
+        args.rows, args.batch, args.batches, args.repeats, args.sweep, args.disk_s = (
+            20_000,
+            1024,
+            2,
+            1,
+            "",
+            0.2,
+        )
+        args.writeback_base_rows, args.writeback_rows, args.btree_rows = 20_000, 12_000, 3_000
+        args.writeback_batch, args.log_segment_rows = 2048, 2048
     emit({"machine": machine_info("numpy", "lmdb")})
     summary: dict[str, Any] = {}
     if not args.skip_reads:
@@ -237,7 +248,14 @@ def main() -> None:
                 window_rows=args.writeback_rows,
                 btree_rows=args.btree_rows,
                 batch_rows=args.writeback_batch,
-                compact_at=args.log_compact_at,
+                log_options={
+                    k: v
+                    for k, v in (
+                        ("log_compact_at", args.log_compact_at),
+                        ("log_segment_rows", args.log_segment_rows),
+                    )
+                    if v is not None
+                },
             )
         finally:
             if not args.keep:

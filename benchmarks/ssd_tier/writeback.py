@@ -1,13 +1,14 @@
-"""Sustained write-back through the store's LMDB backend into a store that already holds ``base_rows`` rows,
+"""Sustained write-back through the store's backend into a store that already holds ``base_rows`` rows,
 against LMDB's sorted bulk append of the same number of rows, measured in the same run (bench_ssd.py).
 
-1. Fill: ``base_rows`` hashed 64-bit ids (``ssd_writeback.hashed_ids``) of 260-byte rows (dim 64 + one
+1. Fill: ``base_rows`` hashed 64-bit ids (:func:`ssd_tier.disk.hashed_ids`) of 260-byte rows (dim 64 + one
    row-wise Adagrad float), in sorted bulk ``put_rows`` of 1 M rows, then synced.
 2. Write-back: transactions of ``batch_rows`` random stored ids (sorted and unique within each, as the
    background writer commits them), each row tagged with its write's number. The ids of a measured
    part are drawn before its clock starts (the rows are built inside it, as the baseline's are). In the
-   log layout, writes run until compaction has started (``warm``: a fresh log has nothing dead to
-   compact) and then the measured window of ``window_rows`` rows, compaction included; the B-tree
+   log layout, writes run until compaction starts (``warm``: a fresh log has nothing dead to compact;
+   with a base of N rows and uniform writes of stored ids, the log is ``log_compact_at`` = c dead after
+   c / (1 - c) x N written rows) and then the measured window of ``window_rows`` rows, compaction included; the B-tree
    layout has no warm-up.
    The window starts after a sync and ends with ``sync`` + ``os.sync()``: its bytes reached the device.
    It is measured in ``PARTS`` consecutive parts too: under uniform updates every segment of the fresh
@@ -21,8 +22,11 @@ against LMDB's sorted bulk append of the same number of rows, measured in the sa
 4. Check: 1,000 sampled ids read back through the backend equal the newest write of each (an array
    oracle of write numbers).
 
+The backend is opened by ``embedding_store.backends.open_backend`` and driven through its public methods
+only; compaction counts are reported where the backend publishes a ``stats`` record.
+
 Write amplification = bytes the process handed the kernel (``wchar``) or the device wrote, whichever is
-less (``ssd_writeback._wa``), per byte of rows written back in the window.
+less (:func:`ssd_tier.disk.write_amplification`), per byte of rows written back in the window.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ from typing import Any
 
 import lmdb
 import numpy as np
-from ssd_writeback import ROW_BYTES, _drop_from_cache, _Io, _wa, hashed_ids
 
 from embedding_store import LmdbOptions, OptimizerKind, TableSpec
-from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.backends import RowBackend, open_backend
+from ssd_tier.disk import ROW_BYTES, DiskIo, drop_from_cache, hashed_ids, write_amplification
 
 SPEC = TableSpec(name="t", dim=64, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)
 FILL_ROWS = 1 << 20
@@ -57,7 +61,7 @@ def _rows(ids: np.ndarray, version: int) -> np.ndarray:
     return rows
 
 
-def _synced(path: Path, backend: LmdbBackend | None = None, env: lmdb.Environment | None = None) -> None:
+def _synced(path: Path, backend: RowBackend | None = None, env: lmdb.Environment | None = None) -> None:
     if backend is not None:
         backend.sync()
     if env is not None:
@@ -85,7 +89,7 @@ class AppendBaseline:
 
     def part(self, rows: int) -> dict[str, Any]:
         """Append the next ``rows`` rows (then synced); returns the part's record."""
-        io, cpu = _Io(self._path), _cpu()
+        io, cpu = DiskIo(self._path), _cpu()
         start = time.perf_counter()
         for lo in range(self._next, self._next + rows, self._batch):
             ids = np.arange(lo, min(self._next + rows, lo + self._batch), dtype=np.int64)
@@ -99,9 +103,9 @@ class AppendBaseline:
         self._next += rows
         for k, v in disk.items():
             self._disk[k] = self._disk.get(k, 0) + v
-        _drop_from_cache(self._path)  # the next part appends after these pages, reading only the right edge
+        drop_from_cache(self._path)  # the next part appends after these pages, reading only the right edge
         rec = {"rows": rows, "seconds": seconds, "rows_per_s": rows / seconds, **_cpu(cpu)}
-        rec["write_amplification"] = _wa(disk, rows)["disk"]
+        rec["write_amplification"] = write_amplification(disk, rows)["disk"]
         self.parts.append(rec)
         return rec
 
@@ -114,7 +118,7 @@ class AppendBaseline:
             "rows": rows,
             "seconds": seconds,
             "rows_per_s": rows / seconds,
-            "write_amplification": _wa(self._disk, rows),
+            "write_amplification": write_amplification(self._disk, rows),
             "parts": self.parts,
         }
 
@@ -128,17 +132,17 @@ def store_writeback(
     batch_rows: int,
     seed: int = 0,
     after_part: Callable[[int], Any] | None = None,
-    compact_at: float | None = None,
+    log_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill, (warm,) measured write-back window and read-back check of one layout; the store is deleted.
     ``after_part(rows)`` runs after each measured part (synced) and before the next one's clock starts;
-    ``compact_at``: the log's ``LmdbOptions.log_compact_at`` (None: the default)."""
+    ``log_options``: ``LmdbOptions`` fields of the log layout (``log_compact_at``, ``log_segment_rows``)."""
     path = root / f"store_{layout}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
-    chosen = {} if compact_at is None else {"log_compact_at": compact_at}
+    chosen = (log_options or {}) if layout == "log" else {}
     options = LmdbOptions(initial_map_size_bytes=MAP_BYTES, layout=layout, **chosen)
-    backend = LmdbBackend(path, options=options, seed=0, tables=[SPEC])
+    backend = open_backend(path, options=options, seed=0, tables=[SPEC])
     ids = hashed_ids(base_rows)
     version = np.zeros(base_rows, dtype=np.int32)  # newest write of each base id (0: the fill)
     start = time.perf_counter()
@@ -148,7 +152,7 @@ def store_writeback(
     if layout == "log":
         out["log_compact_at"] = options.log_compact_at
     rng = np.random.default_rng(seed)
-    log = backend._log
+    log = getattr(backend, "stats", None)  # compaction counters, where the backend publishes them
     writes = [0]
 
     def picks(rows: int) -> list[np.ndarray]:
@@ -168,15 +172,17 @@ def store_writeback(
         version[pick] = writes[0]
         return int(pick.shape[0])
 
+    # The log is compact_at dead once c / (1 - c) x base rows were written back: compaction starts.
+    goal = base_rows * options.log_compact_at / (1 - options.log_compact_at) if layout == "log" else 0
     warm, start = 0, time.perf_counter()
-    while log is not None and log.stats.compactions == 0:
+    while warm < goal:
         warm += write_back()
     out.update(warm_rows=warm, warm_s=time.perf_counter() - start)
     _synced(path, backend)
     parts, total_s, disk = [], 0.0, {}  # the window's disk counts: its parts' (not what runs between)
     for part in range(PARTS):  # consecutive thirds: the first compactions of a fresh log come at once
         batches = picks(window_rows // PARTS)
-        part_io, before, cpu = _Io(path), _log_counts(log), _cpu()
+        part_io, before, cpu = DiskIo(path), _log_counts(log), _cpu()
         written, start = 0, time.perf_counter()
         for pick in batches:
             written += write_back(pick)
@@ -190,7 +196,8 @@ def store_writeback(
         rec = {"part": part, "rows": written, "seconds": seconds, "rows_per_s": written / seconds}
         rec.update(_cpu(cpu))
         rec.update(
-            rows_per_s_unsynced=written / unsynced, write_amplification=_wa(part_disk, written)["disk"]
+            rows_per_s_unsynced=written / unsynced,
+            write_amplification=write_amplification(part_disk, written)["disk"],
         )
         rec["disk_reads_per_row"] = part_disk["read_bytes"] / 4096 / written
         rec.update({k: v - before[k] for k, v in _log_counts(log).items()})
@@ -199,11 +206,8 @@ def store_writeback(
             after_part(written)
     written = sum(p["rows"] for p in parts)
     out.update(window_rows=written, seconds=total_s, rows_per_s=written / total_s, parts=parts)
-    out.update(write_amplification=_wa(disk, written), disk=disk)
+    out.update(write_amplification=write_amplification(disk, written), disk=disk)
     out["disk_reads_per_row"] = disk["read_bytes"] / 4096 / written
-    if log is not None:
-        records, live = log.space("t")
-        out["records_per_live_row"] = records / live
     out["data_mdb_gib"] = (path / "data.mdb").stat().st_size / 2**30
     check_newest(backend, ids, version, rng, layout)
     out["checked_rows"] = CHECK_ROWS
@@ -220,25 +224,20 @@ def _cpu(since: dict[str, float] | None = None) -> dict[str, float]:
     return now if since is None else {k: round(v - since[k], 3) for k, v in now.items()}
 
 
-def _log_counts(log: Any) -> dict[str, float]:
-    if log is None:
-        return {}
-    return {
-        "copied_rows": log.stats.copied_rows,
-        "compactions": log.stats.compactions,
-        "compact_s": log.stats.compact_s,
-        "readahead_bytes": log.stats.readahead_bytes,
-    }
+def _log_counts(stats: Any) -> dict[str, float]:
+    """The compaction counters of a backend's public ``stats`` record ({} where it has none)."""
+    keys = ("copied_rows", "compactions", "compact_s", "readahead_bytes")
+    return {} if stats is None else {k: getattr(stats, k) for k in keys if hasattr(stats, k)}
 
 
-def fill(backend: LmdbBackend, ids: np.ndarray) -> None:
+def fill(backend: RowBackend, ids: np.ndarray) -> None:
     """Store ``ids`` with the fill's rows (write 0), in sorted ``put_rows`` of ``FILL_ROWS``."""
     for lo in range(0, ids.shape[0], FILL_ROWS):
         backend.put_rows([("t", ids[lo : lo + FILL_ROWS], _rows(ids[lo : lo + FILL_ROWS], 0))])
 
 
 def check_newest(
-    backend: LmdbBackend, ids: np.ndarray, version: np.ndarray, rng: np.random.Generator, what: str
+    backend: RowBackend, ids: np.ndarray, version: np.ndarray, rng: np.random.Generator, what: str
 ) -> None:
     """``CHECK_ROWS`` sampled ids read back equal the newest write of each (``version``: its number)."""
     sample = rng.choice(ids.shape[0], CHECK_ROWS, replace=False)
@@ -261,9 +260,9 @@ def run_writeback(
     window_rows: int,
     btree_rows: int,
     batch_rows: int,
-    compact_at: float | None = None,
+    log_options: dict[str, Any] | None = None,
 ) -> dict:
-    """The log layout (measured window; ``compact_at``: its ``log_compact_at``, None: the default), the
+    """The log layout (measured window; ``log_options``: its ``LmdbOptions`` fields), the
     append baseline of the same rows, and the B-tree layout (``btree_rows`` rows; 0: skipped). Returns
     the summary's write-back keys."""
     baseline = AppendBaseline(root, batch_rows)
@@ -275,7 +274,7 @@ def run_writeback(
             window_rows=window_rows,
             batch_rows=batch_rows,
             after_part=baseline.part,
-            compact_at=compact_at,
+            log_options=log_options,
         )
     finally:
         append = baseline.close()

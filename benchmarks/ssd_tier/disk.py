@@ -1,0 +1,71 @@
+"""The disk side of the SSD-tier benchmarks: this process's and the device's I/O counters, write
+amplification, dropping a store's file from the page cache, and store-like random 8-byte keys."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from embedding_store.hashing import mix64
+
+ROW_BYTES = 260  # 64 float32 + one row-wise Adagrad float
+
+
+def _device_stat(path: Path) -> Path | None:
+    dev = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return stat if stat.exists() else None
+
+
+class DiskIo:
+    """This process's and the store's device's I/O counters since construction."""
+
+    def __init__(self, path: Path) -> None:
+        self._dev = _device_stat(path)
+        self._start = self._read()
+
+    def _read(self) -> dict[str, int]:
+        with open("/proc/self/io") as f:
+            out = {k: int(v) for k, v in (line.split(": ") for line in f)}
+        if self._dev is not None:
+            f = [int(x) for x in self._dev.read_text().split()]
+            out.update(dev_read_ios=f[0], dev_read_bytes=512 * f[2], dev_write_bytes=512 * f[6])
+        return out
+
+    def delta(self) -> dict[str, int]:
+        end = self._read()
+        keys = ("read_bytes", "write_bytes", "wchar", "dev_read_ios", "dev_read_bytes", "dev_write_bytes")
+        return {k: end[k] - self._start[k] for k in keys if k in end}
+
+
+def write_amplification(disk: dict[str, int], rows: int) -> dict[str, float]:
+    """Bytes written / payload: ``disk`` = min(``write_syscalls``: what LMDB handed the kernel, which the
+    page cache can only coalesce; ``device``: what the whole device wrote); ``proc_write_bytes`` is
+    /proc/self/io's count, which charges a whole large folio per page dirtied in it."""
+    payload = rows * ROW_BYTES
+    out = {"proc_write_bytes": disk["write_bytes"] / payload, "write_syscalls": disk["wchar"] / payload}
+    if "dev_write_bytes" in disk:
+        out["device"] = disk["dev_write_bytes"] / payload
+    out["disk"] = min(out["write_syscalls"], out.get("device", math.inf))
+    return out
+
+
+def drop_from_cache(path: Path) -> None:
+    """fsync ``path/data.mdb`` and drop it from the page cache (its environment closed, or idle: pages its
+    map holds stay cached)."""
+    fd = os.open(path / "data.mdb", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def hashed_ids(n: int) -> np.ndarray:
+    """N distinct hashed ids (63-bit, as int64), sorted: random 8-byte keys like the store's."""
+    ids = np.sort((mix64(np.arange(n, dtype=np.uint64)) >> np.uint64(1)).view(np.int64))
+    assert bool((ids[1:] != ids[:-1]).all())
+    return ids
