@@ -1,15 +1,34 @@
-"""Vectorised id -> position maps (slot of the device tier, arena row of the host tier).
+"""Vectorised id -> value maps: ONE protocol, :class:`IdMap`, for every map of the store.
 
-Two implementations of one small contract, both free of per-id Python loops:
+Its implementations, all free of per-id Python loops and held to one contract
+(tests/embedding_store/test_id_maps.py, against a dict):
 
-- :class:`DenseIdMap` for bounded id spaces: an int32 array indexed by id (~2e8 lookups/s), read by
-  compiled loops (numba) that produce the int64 positions, or mark them, in one pass.
-- :class:`HashIdMap` for unbounded 64-bit ids: open addressing with linear probing in numpy, every
-  probe round handling all pending queries at once. Ids and positions sit side by side (one cache
-  miss per probe); the table holds at most half its size in live entries, so a hit takes ~1.5
-  probes; deletions leave tombstones and the table is rebuilt when they pile up.
+- here, the tiers' id -> position maps (slot of the device tier, arena row of the host tier), sized
+  once for a tier's fixed capacity:
 
-Positions are int64 in ``[0, capacity)``; a lookup returns -1 for an absent id.
+  - :class:`DenseIdMap` for bounded id spaces: an int32 array indexed by id (~2e8 lookups/s), read by
+    compiled loops (numba) that produce the int64 positions, or mark them, in one pass.
+  - :class:`HashIdMap` for unbounded 64-bit ids: open addressing with linear probing in numpy, every
+    probe round handling all pending queries at once. Ids and positions sit side by side (one cache
+    miss per probe); the table holds at most half its size in live entries, so a hit takes ~1.5
+    probes; deletions leave tombstones and the table is rebuilt when they pile up.
+
+- in :mod:`embedding_store.log_index`, the log layout's id -> sequence-number indexes
+  (``DenseSeqIndex``, ``HashSeqIndex``, ``SortedSeqIndex``), which grow with the stored ids.
+
+Why two hash tables (``HashIdMap`` and ``HashSeqIndex``) and two dense arrays: the roles pull apart.
+A tier's map removes and inserts ids on every eviction, at a fixed capacity known up front, and is
+read by every batch: ``HashIdMap`` preallocates it once (no reallocation on the fill path, a refusal
+past the capacity) at a load of 1/2 with each id beside its int64 position (one cache miss a hit). The
+log's index holds every stored id of a table, tens of millions, and must be small: ``HashSeqIndex``
+grows, fills to 0.8 and keeps uint32 values (12 bytes a cell, two arrays), and is mostly the small
+delta of ``SortedSeqIndex`` (~11 bytes an id). One table tuned for one role would cost the other
+memory (the log) or a probe and a cache miss a hit (the tiers). Likewise ``DenseIdMap`` holds int32
+positions (half the memory of ``DenseSeqIndex``'s int64 sequence numbers at 2^26 ids) and refuses a
+lookup outside its id space (a tier is only asked for ids it was sized for), where the log answers -1.
+
+Values are int64 >= 0 (a map documents a narrower range: ``DenseIdMap``'s positions fit int32); a
+lookup returns -1 for an absent id.
 """
 
 from __future__ import annotations
@@ -19,7 +38,7 @@ from typing import Protocol
 import numba
 import numpy as np
 
-__all__ = ["DenseIdMap", "HashIdMap", "IdMap", "make_id_map", "num_embeddings_for"]
+__all__ = ["DenseIdMap", "DenseSeqIndex", "HashIdMap", "IdMap", "make_id_map", "num_embeddings_for"]
 
 _EMPTY = -1
 _TOMB = -2
@@ -52,53 +71,132 @@ def _dense_mark(pos: np.ndarray, ids: np.ndarray, value: int, out: np.ndarray) -
 
 
 class IdMap(Protocol):
-    """id -> position map. Ids are int64 >= 0; positions int64 >= 0."""
+    """id -> value map (ids int64 >= 0, values int64 >= 0): the one contract of the store's maps.
+
+    Implementations that subclass it explicitly inherit :meth:`insert` (an :meth:`upsert`) and
+    :meth:`mark` (a :meth:`lookup`); the others implement every method.
+    """
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """(N,) int64 ids, duplicates allowed -> (N,) int64 positions, -1 where absent."""
+        """(N,) int64 ids, duplicates allowed -> (N,) int64 values, -1 where absent."""
 
-    def insert(self, ids: np.ndarray, positions: np.ndarray) -> None:
-        """Insert (N,) unique ids that are absent, with their (N,) positions."""
+    def upsert(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Point (N,) unique ids at (N,) values; returns the (N,) previous values (-1: a new id)."""
 
-    def remove(self, ids: np.ndarray) -> None:
-        """Remove (N,) unique ids that are present."""
+    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """Insert (N,) unique ids that are absent, with their (N,) values."""
+        self.upsert(ids, values)
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """Remove (N,) unique ids; returns their (N,) previous values (-1: absent, nothing removed)."""
 
     def mark(self, ids: np.ndarray, value: int, out: np.ndarray) -> None:
-        """``out[position of id] = value`` for each of the (N,) ids that is present."""
+        """``out[value of id] = value`` for each of the (N,) ids that is present (values as positions)."""
+        pos = self.lookup(ids)
+        out[pos[pos >= 0]] = value
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every stored id and its value, as two (len,) int64 arrays, in no order."""
+
+    def nbytes(self) -> int:
+        """Memory held by the map's arrays."""
 
     def __len__(self) -> int: ...
 
 
-class DenseIdMap:
-    """Bounded id space ``[0, num_ids)``: one int32 position per possible id."""
+class _DenseMap(IdMap):
+    """Bounded id space ``[0, num_ids)``: one value per possible id, -1 where absent."""
+
+    _dtype: type = np.int64
 
     def __init__(self, num_ids: int) -> None:
-        self._pos = np.full(num_ids, _EMPTY, dtype=np.int32)  # (num_ids,)
+        self._vals: np.ndarray = np.full(num_ids, _EMPTY, dtype=self._dtype)  # (num_ids,)
         self._len = 0
 
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        return _dense_lookup(self._pos, np.ascontiguousarray(ids, dtype=np.int64))
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        old = self.lookup(ids)
+        present = old >= 0
+        self._vals[ids[present]] = _EMPTY
+        self._len -= int(np.count_nonzero(present))
+        return old
 
-    def mark(self, ids: np.ndarray, value: int, out: np.ndarray) -> None:
-        _dense_mark(self._pos, np.ascontiguousarray(ids, dtype=np.int64), value, out)
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.flatnonzero(self._vals >= 0)
+        return ids, self._vals[ids].astype(np.int64)
 
-    def insert(self, ids: np.ndarray, positions: np.ndarray) -> None:
-        self._pos[ids] = positions
-        self._len += len(ids)
-
-    def remove(self, ids: np.ndarray) -> None:
-        self._pos[ids] = _EMPTY
-        self._len -= len(ids)
+    def nbytes(self) -> int:
+        return int(self._vals.nbytes)
 
     def __len__(self) -> int:
         return self._len
+
+
+class DenseIdMap(_DenseMap):
+    """A tier's map of bounded ids ``[0, num_ids)``: one int32 position per possible id; a lookup
+    outside the id space raises IndexError."""
+
+    _dtype = np.int32
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        return _dense_lookup(self._vals, np.ascontiguousarray(ids, dtype=np.int64))
+
+    def mark(self, ids: np.ndarray, value: int, out: np.ndarray) -> None:
+        _dense_mark(self._vals, np.ascontiguousarray(ids, dtype=np.int64), value, out)
+
+    def insert(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        self._vals[ids] = positions
+        self._len += len(ids)
+
+    def upsert(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        old = self.lookup(ids)
+        self._vals[ids] = values
+        self._len += int(np.count_nonzero(old < 0))
+        return old
+
+
+@numba.njit("void(int64[:], int64[:], int64, int64[:], int64[:])", nogil=True, cache=True)
+def _dense_seq_upsert(vals, ids, n, seqs, old):  # type: ignore[no-untyped-def] # pragma: no cover
+    for i in range(ids.shape[0]):
+        if not 0 <= ids[i] < n:
+            raise IndexError("id outside the table's id space")
+        old[i] = vals[ids[i]]
+        vals[ids[i]] = seqs[i]
+
+
+@numba.njit("void(int64[:], int64[:], int64, int64[:])", nogil=True, cache=True)
+def _dense_seq_lookup(vals, ids, n, out):  # type: ignore[no-untyped-def] # pragma: no cover
+    for i in range(ids.shape[0]):
+        out[i] = vals[ids[i]] if 0 <= ids[i] < n else _EMPTY
+
+
+class DenseSeqIndex(_DenseMap):
+    """The log's index of bounded ids ``[0, num_ids)`` (``embedding_store.log_index``): one int64
+    sequence number per possible id; a lookup outside the id space answers -1 (never stored)."""
+
+    _dtype = np.int64
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty(ids.shape[0], dtype=np.int64)
+        _dense_seq_lookup(self._vals, ids, self._vals.shape[0], out)
+        return out
+
+    def upsert(self, ids: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        old = np.empty(ids.shape[0], dtype=np.int64)
+        _dense_seq_upsert(
+            self._vals, ids, self._vals.shape[0], np.ascontiguousarray(seqs, dtype=np.int64), old
+        )
+        self._len += int(np.count_nonzero(old < 0))
+        return old
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(4, (n - 1).bit_length())
 
 
-class HashIdMap:
+class HashIdMap(IdMap):
     """Unbounded int64 ids in an open-addressing table sized for ``max_entries`` live entries."""
 
     def __init__(self, max_entries: int) -> None:
@@ -185,17 +283,34 @@ class HashIdMap:
             active = active[lost]
             pos = (pos[lost] + 1) & mask
 
-    def mark(self, ids: np.ndarray, value: int, out: np.ndarray) -> None:
-        pos = self.lookup(ids)
-        out[pos[pos >= 0]] = value
+    def upsert(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        cells = self._find_slots(ids)
+        found = cells >= 0
+        old = np.full(ids.shape[0], _EMPTY, dtype=np.int64)
+        old[found] = self._vals[cells[found]]
+        self._vals[cells[found]] = values[found]
+        self.insert(ids[~found], values[~found])
+        return old
 
-    def remove(self, ids: np.ndarray) -> None:
+    def remove(self, ids: np.ndarray) -> np.ndarray:
         cells = self._find_slots(np.ascontiguousarray(ids, dtype=np.int64))
-        if (cells < 0).any():
-            raise KeyError("HashIdMap.remove: some ids are absent")
+        found = cells >= 0
+        cells = cells[found]
+        old = np.full(found.shape[0], _EMPTY, dtype=np.int64)
+        old[found] = self._vals[cells]
         self._keys[cells] = _TOMB
-        self._len -= ids.shape[0]
-        self._tombs += ids.shape[0]
+        self._len -= cells.shape[0]
+        self._tombs += cells.shape[0]
+        return old
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        live = self._keys >= 0
+        return self._keys[live].copy(), self._vals[live].copy()
+
+    def nbytes(self) -> int:
+        return int(self._kv.nbytes)
 
     def _rebuild(self) -> None:
         live = self._keys >= 0

@@ -1,6 +1,7 @@
 """The log layout's id -> sequence-number index: which record of the log holds each id's live row.
 
-Three maps with one contract, all compiled or vectorised (no per-id Python):
+Three implementations of the store's one map protocol, :class:`embedding_store.index.IdMap` (``SeqIndex``
+here: values are sequence numbers), all compiled or vectorised (no per-id Python):
 
 - :class:`DenseSeqIndex` for bounded id spaces up to ``DENSE_MAX_IDS`` ids: one int64 per possible id.
 - :class:`SortedSeqIndex` for anything else (``make_seq_index``): packed sorted entries, ~11 bytes per
@@ -8,8 +9,11 @@ Three maps with one contract, all compiled or vectorised (no per-id Python):
   :class:`HashSeqIndex` and merged in place.
 - :class:`HashSeqIndex`: open addressing with linear probing over two arrays (int64 ids; uint32
   sequence numbers until one passes 2^32 - 1, int64 from then on), at most ``MAX_LOAD`` full: 12 bytes a
-  cell, 15-30 bytes per stored id. Ids are never removed (a row, once stored, stays stored), so there are
-  no tombstones; the table doubles when it would pass ``MAX_LOAD``.
+  cell, 15-30 bytes per stored id; the table doubles when it would pass ``MAX_LOAD``. A removal shifts
+  the entries after it back (backward-shift deletion), so there are no tombstones and a lookup's probe
+  still ends at the first empty cell.
+
+Why these and not the tiers' maps: see :mod:`embedding_store.index`.
 
 The loops are numba functions that release the interpreter lock (``nogil``): the reader threads and the
 writer thread look ids up while the training thread runs.
@@ -17,10 +21,10 @@ writer thread look ids up while the training thread runs.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numba
 import numpy as np
+
+from embedding_store.index import DenseSeqIndex, IdMap
 
 __all__ = ["DENSE_MAX_IDS", "DenseSeqIndex", "HashSeqIndex", "SeqIndex", "SortedSeqIndex", "make_seq_index"]
 
@@ -42,14 +46,12 @@ def _cell(keys, shift, key):  # type: ignore[no-untyped-def] # pragma: no cover
 
 
 # Sequence numbers are held as uint32 until one does not fit (then int64): 12 bytes a cell, not 16.
-@numba.njit(
-    [
-        "int64(int64[:], uint32[:], int64, int64[:], int64[:], int64[:])",
-        "int64(int64[:], int64[:], int64, int64[:], int64[:], int64[:])",
-    ],
-    nogil=True,
-    cache=True,
-)
+def _hash_sigs(ret: str, args: str = "int64[:], int64[:]") -> list[str]:
+    """The signature for either dtype of the held sequence numbers."""
+    return [f"{ret}(int64[:], {v}[:], int64, {args})" for v in ("uint32", "int64")]
+
+
+@numba.njit(_hash_sigs("int64", "int64[:], int64[:], int64[:]"), nogil=True, cache=True)
 def _hash_upsert(keys, vals, shift, ids, seqs, old):  # type: ignore[no-untyped-def] # pragma: no cover
     added = 0
     for i in range(ids.shape[0]):
@@ -64,33 +66,44 @@ def _hash_upsert(keys, vals, shift, ids, seqs, old):  # type: ignore[no-untyped-
     return added
 
 
-@numba.njit(
-    [
-        "void(int64[:], uint32[:], int64, int64[:], int64[:])",
-        "void(int64[:], int64[:], int64, int64[:], int64[:])",
-    ],
-    nogil=True,
-    cache=True,
-)
+@numba.njit(_hash_sigs("void"), nogil=True, cache=True)
 def _hash_lookup(keys, vals, shift, ids, out):  # type: ignore[no-untyped-def] # pragma: no cover
     for i in range(ids.shape[0]):
         h = _cell(keys, shift, ids[i])
         out[i] = vals[h] if keys[h] == ids[i] else _EMPTY
 
 
-@numba.njit("void(int64[:], int64[:], int64, int64[:], int64[:])", nogil=True, cache=True)
-def _dense_upsert(vals, ids, n, seqs, old):  # type: ignore[no-untyped-def] # pragma: no cover
+@numba.njit(_hash_sigs("int64"), nogil=True, cache=True)
+def _hash_remove(keys, vals, shift, ids, old):  # type: ignore[no-untyped-def] # pragma: no cover
+    """Remove each present id (``old``: its number, -1 if absent); returns how many were removed. Each
+    entry after the hole, up to the next empty cell, moves into it when the hole lies between that
+    entry's home cell and its cell: every entry stays reachable from its home without tombstones."""
+    mask = keys.shape[0] - 1
+    removed = 0
     for i in range(ids.shape[0]):
-        if not 0 <= ids[i] < n:
-            raise IndexError("id outside the table's id space")
-        old[i] = vals[ids[i]]
-        vals[ids[i]] = seqs[i]
+        hole = _cell(keys, shift, ids[i])
+        if keys[hole] != ids[i]:
+            old[i] = _EMPTY
+            continue
+        old[i] = vals[hole]
+        removed += 1
+        j = (hole + 1) & mask
+        while keys[j] != _EMPTY:
+            home = np.int64((np.uint64(keys[j]) * _MUL) >> np.uint64(shift))
+            if ((j - home) & mask) >= ((j - hole) & mask):
+                keys[hole], vals[hole] = keys[j], vals[j]
+                hole = j
+            j = (j + 1) & mask
+        keys[hole] = _EMPTY
+    return removed
 
 
-@numba.njit("void(int64[:], int64[:], int64, int64[:])", nogil=True, cache=True)
-def _dense_lookup(vals, ids, n, out):  # type: ignore[no-untyped-def] # pragma: no cover
-    for i in range(ids.shape[0]):
-        out[i] = vals[ids[i]] if 0 <= ids[i] < n else _EMPTY
+def _checked_ids(ids: np.ndarray, name: str) -> np.ndarray:
+    """Contiguous int64 ids, refused unless >= 0 (-1 marks an empty cell)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.shape[0] and int(ids.min()) < 0:
+        raise ValueError(f"{name} ids must be >= 0, got {int(ids.min())}")
+    return ids
 
 
 def _upsert_args(
@@ -98,65 +111,17 @@ def _upsert_args(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Contiguous int64 ``ids`` (checked >= 0) and ``seqs``, and the held sequence numbers widened to
     int64 once a number does not fit their uint32."""
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    if ids.shape[0] and int(ids.min()) < 0:
-        raise ValueError(f"{name} ids must be >= 0")
+    ids = _checked_ids(ids, name)
     seqs = np.ascontiguousarray(seqs, np.int64)
     if held.dtype == np.uint32 and seqs.shape[0] and int(seqs.max()) >= _U32_MAX:
         held = held.astype(np.int64)  # numbers this large: a long life of compactions
     return ids, seqs, held
 
 
-class SeqIndex(Protocol):
-    """id -> sequence number of its live record (ids int64 >= 0, sequence numbers int64 >= 0)."""
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """(N,) ids -> (N,) sequence numbers, -1 where the id is not stored."""
-
-    def upsert(self, ids: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-        """Point (N,) unique ids at (N,) sequence numbers; returns the (N,) previous ones (-1: new id)."""
-
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every stored id and its sequence number, in no order."""
-
-    def nbytes(self) -> int:
-        """Memory held by the index."""
-
-    def __len__(self) -> int: ...
+SeqIndex = IdMap  # the name lmdb_log.py reads the index by
 
 
-class DenseSeqIndex:
-    """Bounded ids ``[0, num_ids)``: one int64 per possible id."""
-
-    def __init__(self, num_ids: int) -> None:
-        self._vals = np.full(num_ids, _EMPTY, dtype=np.int64)
-        self._len = 0
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        out = np.empty(ids.shape[0], dtype=np.int64)
-        _dense_lookup(self._vals, ids, self._vals.shape[0], out)
-        return out
-
-    def upsert(self, ids: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        old = np.empty(ids.shape[0], dtype=np.int64)
-        _dense_upsert(self._vals, ids, self._vals.shape[0], np.ascontiguousarray(seqs, dtype=np.int64), old)
-        self._len += int(np.count_nonzero(old < 0))
-        return old
-
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.flatnonzero(self._vals >= 0)
-        return ids, self._vals[ids]
-
-    def nbytes(self) -> int:
-        return int(self._vals.nbytes)
-
-    def __len__(self) -> int:
-        return self._len
-
-
-class HashSeqIndex:
+class HashSeqIndex(IdMap):
     """Any int64 ids >= 0, in an open-addressing table that doubles as it fills."""
 
     def __init__(self, expected: int = 0) -> None:
@@ -192,6 +157,12 @@ class HashSeqIndex:
         self._alloc(size, dtype)
         _hash_upsert(self._keys, self._vals, self._shift, ids, seqs, np.empty(ids.shape[0], dtype=np.int64))
 
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        ids = _checked_ids(ids, "HashSeqIndex")
+        old = np.empty(ids.shape[0], dtype=np.int64)
+        self._len -= int(_hash_remove(self._keys, self._vals, self._shift, ids, old))
+        return old
+
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         full = self._keys >= 0
         return self._keys[full], self._vals[full].astype(np.int64)
@@ -219,9 +190,9 @@ def _key_at(lo, hi, i):  # type: ignore[no-untyped-def] # pragma: no cover
     return (np.uint64(hi[i]) << _U32) | np.uint64(lo[i])
 
 
-def _sigs(args: str) -> list[str]:
+def _sigs(args: str, ret: str = "void") -> list[str]:
     """The signature for either dtype of the sequence numbers (``{s}``)."""
-    return [f"void(uint32[:], uint16[:], {s}[:], uint32[:], uint64, {args})" for s in ("uint32", "int64")]
+    return [f"{ret}(uint32[:], uint16[:], {s}[:], uint32[:], uint64, {args})" for s in ("uint32", "int64")]
 
 
 _GROUP = 32  # ids located together by _find_group
@@ -291,6 +262,40 @@ def _sorted_update(lo, hi, seqs, off, shift, ids, new, old):  # type: ignore[no-
                 old[g + k] = -2
 
 
+@numba.njit(_sigs("int64, int64[:], int64[:]", "int64"), nogil=True, cache=True)
+def _sorted_remove(lo, hi, seqs, off, shift, n, ids, old):  # type: ignore[no-untyped-def] # pragma: no cover
+    """Remove the (unique) ids found among the n entries (``old``: their numbers; -2 for the others):
+    one pass moves the entries after the first removed one down over the gaps, then the directory's
+    offsets follow. Returns how many were removed."""
+    pos, scratch = np.empty(_GROUP, dtype=np.int64), np.empty((3, _GROUP), dtype=np.uint64)
+    gone = np.empty(ids.shape[0], dtype=np.int64)
+    m = 0
+    for g in range(0, ids.shape[0], _GROUP):
+        size = min(_GROUP, ids.shape[0] - g)
+        _find_group(lo, hi, seqs, off, shift, ids, g, pos[:size], scratch)
+        for k in range(size):
+            old[g + k] = np.int64(seqs[pos[k]]) if pos[k] >= 0 else -2
+            if pos[k] >= 0:
+                gone[m] = pos[k]
+                m += 1
+    if m == 0:
+        return 0
+    gone = np.sort(gone[:m])
+    w, j = gone[0], 0
+    for r in range(gone[0], n):
+        if j < m and gone[j] == r:
+            j += 1
+        else:
+            lo[w], hi[w], seqs[w] = lo[r], hi[r], seqs[r]
+            w += 1
+    j = 0
+    for b in range(off.shape[0]):
+        while j < m and gone[j] < np.int64(off[b]):
+            j += 1
+        off[b] = np.uint32(np.int64(off[b]) - j)
+    return m
+
+
 @numba.njit(_sigs("int64, uint64[:], int64[:]"), nogil=True, cache=True)
 def _sorted_merge(lo, hi, seqs, off, shift, n, keys, new):  # type: ignore[no-untyped-def] # pragma: no cover
     """Merge sorted mixed ``keys`` (absent ones) with numbers ``new`` into the n entries, in place from the
@@ -347,7 +352,7 @@ def _sorted_ids(lo, hi, off, shift, n, out):  # type: ignore[no-untyped-def] # p
         out[i] = np.int64(((np.uint64(b) << shift) | _key_at(lo, hi, i)) * _MUL_INV)
 
 
-class SortedSeqIndex:
+class SortedSeqIndex(IdMap):
     """Any int64 ids >= 0 in ~11 bytes each: packed sorted entries and a small hash of recent new ids.
 
     The entries are sorted by mixed key (see above) and looked up by a directory bucket and a binary
@@ -408,6 +413,19 @@ class SortedSeqIndex:
             self._off = _split_buckets(self._lo, self._hi, self._off, self._shift, self._n)
             self._shift -= np.uint64(1)
         self._delta = HashSeqIndex(max(self._merge_min, self._n >> 5))
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """As :meth:`IdMap.remove`; an id is in the entries or in the delta, never both. Removing from
+        the entries moves every entry after the first removed one: a pass over the index per call, for
+        batched, rare removals (a table's deleted rows), not for every batch."""
+        ids = _checked_ids(ids, "SortedSeqIndex")
+        old = np.empty(ids.shape[0], dtype=np.int64)
+        args = (self._lo, self._hi, self._seqs, self._off, self._shift, self._n)
+        self._n -= int(_sorted_remove(*args, ids, old))
+        miss = np.flatnonzero(old == -2)
+        if miss.shape[0]:
+            old[miss] = self._delta.remove(ids[miss])
+        return old
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         ids = np.empty(self._n, dtype=np.int64)

@@ -1,42 +1,12 @@
-"""The vectorised id -> position maps against a dict."""
+"""What the tiers' id -> position maps add to the one contract (tests/embedding_store/test_id_maps.py):
+heavy churn through tombstones, a fixed capacity, the choice of map."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from embedding_store.index import DenseIdMap, HashIdMap, make_id_map
-
-MAX_ENTRIES = 40
-big_ids = st.one_of(st.integers(0, 50), st.integers(0, (1 << 63) - 1))
-
-
-@pytest.mark.parametrize("kind", ["hash", "dense"])
-@settings(max_examples=80, deadline=None)
-@given(ops=st.lists(st.tuples(st.booleans(), st.lists(big_ids, max_size=12)), max_size=30))
-def test_map_matches_dict(kind, ops) -> None:
-    id_map = HashIdMap(MAX_ENTRIES) if kind == "hash" else DenseIdMap(1 << 20)
-    ref: dict[int, int] = {}
-    next_pos = 0
-    for insert, raw in ops:
-        ids = [i if kind == "hash" else i % (1 << 20) for i in raw]
-        if insert:
-            new = [i for i in dict.fromkeys(ids) if i not in ref][: MAX_ENTRIES - len(ref)]
-            pos = np.arange(next_pos, next_pos + len(new))
-            next_pos += len(new)
-            id_map.insert(np.array(new, dtype=np.int64), pos)
-            ref.update(zip(new, pos.tolist(), strict=True))
-        else:
-            gone = [i for i in dict.fromkeys(ids) if i in ref]
-            id_map.remove(np.array(gone, dtype=np.int64))
-            for i in gone:
-                del ref[i]
-        query = np.array(ids + list(ref), dtype=np.int64)
-        want = [ref.get(int(i), -1) for i in query]
-        assert id_map.lookup(query).tolist() == want
-        assert len(id_map) == len(ref)
 
 
 def test_hash_map_survives_heavy_churn_with_tombstones() -> None:
