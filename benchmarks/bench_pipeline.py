@@ -64,7 +64,7 @@ pipelined_vs_sequential_cold, cold_tiered_vs_untiered, step_vs_slowest_stage (<=
 lookahead_hit_rate, lru_hit_rate, belady_hit_rate, lookahead_vs_belady (>= 0.95), the lookahead depth,
 the sizes used, and the CPU-time and overlap-bound companions of the throughput ratios.
 
-Usage: python benchmarks/bench_pipeline.py [--quick] [--repeats 5] [--lookahead 128] [--dir /tmp/...]
+Usage: python benchmarks/bench_pipeline.py [--smoke] [--repeats 5] [--lookahead 128] [--dir /tmp/...]
        [--only fits_cache,ssd_bound,cold,delays,hit_rates] [--delays-ms 20,10,30]
 """
 
@@ -101,9 +101,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="a ~2-minute smoke run (fewer steps, 1 repeat)")
     parser.add_argument(
-        "--repeats", type=int, default=None, help="repeats per variant (default 5; --quick: 1)"
+        "--smoke", action="store_true", help="seconds: 6 steps of small tables, 1 repeat (a test run)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="repeats per variant (default 5; --smoke: 1)"
     )
     parser.add_argument(
         "--lookahead", type=int, default=128, help="LOOKAHEAD depth of the hit-rate experiment"
@@ -114,7 +116,9 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a new temp dir)")
     parser.add_argument("--only", default=",".join(EXPERIMENTS), help="comma-separated experiments to run")
     args = parser.parse_args()
-    args.repeats = args.repeats or (1 if args.quick else 5)
+    args.repeats = args.repeats or (1 if args.smoke else 5)
+    if args.smoke:
+        args.lookahead = min(args.lookahead, 4)
     only = [e for e in args.only.split(",") if e]
     unknown = sorted(set(only) - set(EXPERIMENTS))
     if unknown:
@@ -133,7 +137,7 @@ def main() -> None:
         {
             **machine_info("torch", "torchrec", "fbgemm_gpu", "numpy", "lmdb"),
             "two_thread_speedup": speedup_start,
-            "quick": args.quick,
+            "smoke": args.smoke,
             "repeats": args.repeats,
         }
     )
@@ -153,7 +157,7 @@ def main() -> None:
         two_thread_speedup_end=two_thread_speedup(),
         load_avg_1m_end=os.getloadavg()[0],
         seconds=time.perf_counter() - started,
-        quick=args.quick,
+        smoke=args.smoke,
         repeats=args.repeats,
     )
     emit(result)

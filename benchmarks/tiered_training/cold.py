@@ -18,7 +18,7 @@ from harness import alternate, emit
 
 from recsys.distributed import DistEnv
 from recsys.tiered import TieredTables
-from tiered_training.runs import ZIPF_BATCH, ZIPF_SPACE, median, touched_rows, train_once, zipf_base
+from tiered_training.runs import ZIPF_BATCH, median, sized, touched_rows, train_once, zipf_base, zipf_space
 from tiered_training.throughput import overlap_bound
 
 
@@ -80,9 +80,8 @@ def cold_tables(fractions: list[float | None]) -> type[TieredTables]:
 
 
 def cold(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
-    first = 40 if args.quick else 100
-    more = 40 if args.quick else 80
-    touched = touched_rows(ZIPF_SPACE, batch=ZIPF_BATCH, steps=first + more)
+    first, more, space = sized(args, 100), sized(args, 80), zipf_space(args)
+    touched = touched_rows(space, batch=ZIPF_BATCH, steps=first + more)
     host_rows = touched // 20
     tiered = ["store.tiered=true", "store.device_rows=8192", f"store.host_rows={host_rows}"]
     run_dir = args.dir / "cold_run"
@@ -90,17 +89,23 @@ def cold(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
     # The first run fills the store (every row it touched ends in LMDB) and checkpoints it at its end.
     filled = train_once(
         env,
-        [*zipf_base(first), *tiered, f"train.checkpoint_every={first}", "train.keep_checkpoints=1"],
+        [*zipf_base(first, space), *tiered, f"train.checkpoint_every={first}", "train.keep_checkpoints=1"],
         out_dir=run_dir,
         warmup_steps=0,
     )
     emit({"experiment": "cold", "variant": "fill_store", **filled})
-    resumed = [*zipf_base(first + more), *tiered, "train.checkpoint_every=0"]  # no new checkpoint
+    # No new checkpoint, not even the final one: every resumed run starts from the fill's.
+    resumed = [
+        *zipf_base(first + more, space),
+        *tiered,
+        "train.checkpoint_every=0",
+        "train.final_checkpoint=false",
+    ]
     variants = {
         "pipelined": [*resumed, "pipeline.mode=pipelined"],
         "sequential": [*resumed, "pipeline.mode=sequential"],
         # The same model with every table in memory, over as many steps (a fresh run: nothing to read).
-        "untiered": [*zipf_base(more), "store.tiered=false", "train.checkpoint_every=0"],
+        "untiered": [*zipf_base(more, space), "store.tiered=false", "train.final_checkpoint=false"],
     }
     cached: list[float | None] = []
     tables = cold_tables(cached)

@@ -14,7 +14,7 @@ from recsys.data.batch import Batch
 from recsys.distributed import DistEnv
 from recsys.tiered import TRAIN, RoutedBatch, TieredTables
 from recsys.trainer import Trainer
-from tiered_training.runs import alternate_runs, median
+from tiered_training.runs import alternate_runs, median, sized
 
 
 def slow_tables(ssd_s: float, route_s: float) -> type[TieredTables]:
@@ -34,7 +34,7 @@ def slow_tables(ssd_s: float, route_s: float) -> type[TieredTables]:
 
 
 def delays(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
-    steps = 50 if args.quick else 100
+    steps = sized(args, 100)
     ssd_ms, route_ms, compute_ms = (float(x) for x in args.delays_ms.split(","))
     base = [
         "model.embedding_dim=8",
@@ -44,7 +44,7 @@ def delays(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
         "synthetic.id_space=100000",
         "train.batch_size=256",
         f"train.steps={steps}",
-        "train.log_every=10",
+        "train.log_every=2" if args.smoke else "train.log_every=10",
         "store.tiered=true",
         "store.device_rows=4096",
         "store.host_rows=4096",
@@ -62,7 +62,7 @@ def delays(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
         "delays",
         variants,
         repeats=args.repeats,
-        warmup_steps=20,
+        warmup_steps=min(20, steps // 3),
         root=args.dir,
         tables=slow_tables(ssd_ms / 1e3, route_ms / 1e3),
         prepare=compute_hook,

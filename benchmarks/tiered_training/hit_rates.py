@@ -15,7 +15,7 @@ from recsys.data.batch import Batch
 from recsys.distributed import DistEnv
 from recsys.tiered import TRAIN, RoutedBatch, TieredTables
 from recsys.tune.trace import belady_hits
-from tiered_training.runs import ZIPF_SPACE, train_once
+from tiered_training.runs import sized, train_once, zipf_space
 
 
 class TraceRecorder:
@@ -56,18 +56,18 @@ class TraceRecorder:
 
 
 def hit_rates(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
-    steps = 120 if args.quick else 300
+    steps = sized(args, 300)
     device_rows = 8192
     base = [
         "model.embedding_dim=8",
         "model.dense_arch=[16, 8]",
         "model.over_arch=[16]",
         "synthetic.num_sparse=2",
-        f"synthetic.id_space={ZIPF_SPACE}",
+        f"synthetic.id_space={zipf_space(args)}",
         "synthetic.zipf_alpha=1.05",
         "train.batch_size=1024",
         f"train.steps={steps}",
-        "train.log_every=20",
+        "train.log_every=2" if args.smoke else "train.log_every=20",
         "store.tiered=true",
         f"store.device_rows={device_rows}",
         "store.host_rows=65536",

@@ -9,6 +9,7 @@ experiment's tier binding (``TieredTables`` or a subclass of it).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import tempfile
@@ -47,17 +48,27 @@ def make_config(overrides: list[str]) -> RunConfig:
     return config_from_dict({}, [*COMMON, *overrides])
 
 
-def zipf_base(steps: int) -> list[str]:
+def sized(args: argparse.Namespace, steps: int) -> int:
+    """``steps``, or a handful under ``--smoke`` (a run of the code path, not a measurement)."""
+    return 6 if args.smoke else steps
+
+
+def zipf_space(args: argparse.Namespace) -> int:
+    """Ids per Zipf table: ``ZIPF_SPACE``, or 20,000 under ``--smoke``."""
+    return 20_000 if args.smoke else ZIPF_SPACE
+
+
+def zipf_base(steps: int, space: int = ZIPF_SPACE) -> list[str]:
     """The large Zipf(1.05) tables of ssd_bound and cold."""
     return [
         *MODEL,
         f"synthetic.num_sparse={ZIPF_TABLES}",
-        f"synthetic.id_space={ZIPF_SPACE}",
+        f"synthetic.id_space={space}",
         "synthetic.zipf_alpha=1.05",
-        f"sparse.max_rows_per_table={ZIPF_SPACE}",  # untiered: every id has its own row, as when tiered
+        f"sparse.max_rows_per_table={space}",  # untiered: every id has its own row, as when tiered
         f"train.batch_size={ZIPF_BATCH}",
         f"train.steps={steps}",
-        "train.log_every=10",
+        "train.log_every=2" if steps < 20 else "train.log_every=10",
     ]
 
 

@@ -14,12 +14,13 @@ from recsys.distributed import DistEnv
 from tiered_training.runs import (
     MODEL,
     ZIPF_BATCH,
-    ZIPF_SPACE,
     alternate_runs,
     median,
     paired,
+    sized,
     touched_rows,
     zipf_base,
+    zipf_space,
 )
 
 
@@ -48,7 +49,7 @@ def cpu_bound(sequential: list[dict[str, Any]], parallelism: float) -> float:
 
 def fits_cache(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
     """8 tables of 10k ids, 10,240 device slots each: tiered pipelined vs untiered."""
-    steps = 60 if args.quick else 120
+    steps = sized(args, 120)
     space = 10_000
     base = [
         *MODEL,
@@ -56,7 +57,7 @@ def fits_cache(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
         f"synthetic.id_space={space}",
         "train.batch_size=2048",
         f"train.steps={steps}",
-        "train.log_every=10",
+        "train.log_every=2" if args.smoke else "train.log_every=10",
     ]
     variants = {
         "untiered": [*base, "store.tiered=false"],
@@ -92,11 +93,11 @@ def fits_cache(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
 
 def ssd_bound(env: DistEnv, args: argparse.Namespace) -> dict[str, Any]:
     """4 Zipf tables of 2M ids, host tier 1/20 of the touched rows: pipelined vs sequential vs untiered."""
-    steps = 60 if args.quick else 100
-    touched = touched_rows(ZIPF_SPACE, batch=ZIPF_BATCH, steps=steps)
+    steps, space = sized(args, 100), zipf_space(args)
+    touched = touched_rows(space, batch=ZIPF_BATCH, steps=steps)
     host_rows = touched // 20
     tiered = ["store.tiered=true", "store.device_rows=8192", f"store.host_rows={host_rows}"]
-    base = zipf_base(steps)
+    base = zipf_base(steps, space)
     variants = {
         "untiered": [*base, "store.tiered=false"],
         "pipelined": [*base, *tiered, "pipeline.mode=pipelined"],
