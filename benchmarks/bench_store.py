@@ -10,12 +10,15 @@ ratios (candidate speed / baseline speed, higher is better):
 - writeback_vs_lmdb: ``evict`` + ``wait_for_writes`` of 10k updated device rows (host tier of 0 rows,
   so they go device -> writer -> LMDB) vs raw py-lmdb ``putmulti`` of the same rows in one transaction.
 - host_gather_vs_index_select: ``read_rows`` of 100k ids held by the host tier (id -> arena lookup and
-  gather) vs ``torch.index_select`` of the same rows from the same arena at known positions.
+  gather) vs ``torch.index_select`` of the same rows at known positions from an arena of the same size
+  (the rows read from the store beforehand, untimed).
+
+``--smoke`` runs every measurement at tiny sizes in seconds (a test of the code path, not a figure).
 
 ``--scale`` instead runs a 2^62 id space with 30M touched rows (more than the host tier holds) through
 the store and reports the peak RSS against the host-tier budget.
 
-Usage: python benchmarks/bench_store.py [--scale] [--dir /tmp/bench_store] [--touched 30000000]
+Usage: python benchmarks/bench_store.py [--scale] [--dir /tmp/bench_store] [--touched 30000000] [--smoke]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
@@ -41,12 +45,33 @@ from embedding_store import (
     TieredStore,
     init_rows,
 )
-from embedding_store.lmdb_backend import LmdbBackend, encode_keys
+from embedding_store.backends import open_backend
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 SPEC = TableSpec(name="t", dim=64, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)  # 260-byte rows
 LMDB_KW = {"map_size": 1 << 34, "subdir": True, "sync": False, "metasync": False, "readahead": False}
 PAIR = ("baseline", "store")  # the two sides of every measurement, alternating (harness.order_of)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sizes:
+    """How big each measurement is: the full run, or ``SMOKE`` (seconds; the code path, not a figure)."""
+
+    remap_ids: int = 400_000
+    reps: int = 15
+    stored_rows: int = 200_000
+    sets: int = 16
+    set_rows: int = 10_000
+    queries: int = 100_000
+
+
+SMOKE = Sizes(remap_ids=4_000, reps=3, stored_rows=4_000, sets=4, set_rows=500, queries=2_000)
+SIZE = Sizes()
+
+
+def encode_keys(ids: np.ndarray) -> list[bytes]:
+    """(N,) int64 ids -> N 8-byte big-endian keys, as the store's B-tree layout keys its rows."""
+    return np.ascontiguousarray(ids, dtype=">u8").view("V8").tolist()
 
 
 def hashed(raw: np.ndarray) -> np.ndarray:
@@ -77,7 +102,7 @@ def report(name: str, base_t: list[float], cand_t: list[float], n: int) -> float
 
 def bench_remap(root: Path) -> float:
     rng = np.random.default_rng(0)
-    ids = hashed(rng.zipf(1.1, 400_000))  # (400k,)
+    ids = hashed(rng.zipf(1.1, SIZE.remap_ids))  # (400k,)
     ids_t = torch.from_numpy(ids)
     num_unique = np.unique(ids).shape[0]
     spec = TableSpec(name="t", dim=16, optimizer=OptimizerKind.EXACT_SGD)
@@ -94,7 +119,7 @@ def bench_remap(root: Path) -> float:
             store.make_resident(b, {"t": ids_t})
             store.release(b)
 
-        base, cand = paired(lambda: torch.unique(ids_t, return_inverse=True), remap, 15)
+        base, cand = paired(lambda: torch.unique(ids_t, return_inverse=True), remap, SIZE.reps)
         misses = store.stats().tables["t"][Tier.DEVICE].misses - warm_misses
         print(f"remap: {num_unique} unique ids; device misses after warm-up: {misses}")
         store.close(flush=False)
@@ -108,7 +133,7 @@ def populate(root: Path, num_rows: int, rng: np.random.Generator) -> tuple[np.nd
     store_dir, raw_dir = root / "store", root / "raw"
     options = LmdbOptions(initial_map_size_bytes=1 << 34)
     store_dir.mkdir(parents=True)
-    with_backend = LmdbBackend(store_dir.absolute(), options=options, seed=0, tables=[SPEC])
+    with_backend = open_backend(store_dir.absolute(), options=options, seed=0, tables=[SPEC])
     with_backend.put_rows([("t", ids, rows)])
     with_backend.close()
     env = lmdb.open(str(raw_dir), max_dbs=2, **LMDB_KW)
@@ -128,11 +153,12 @@ def warm(env: lmdb.Environment, db: object, ids: np.ndarray) -> None:
 
 def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
     rng = np.random.default_rng(1)
-    ids, store_dir, raw_dir = populate(root / "ssd", 200_000, rng)
+    ids, store_dir, raw_dir = populate(root / "ssd", SIZE.stored_rows, rng)
     env = lmdb.open(str(raw_dir), max_dbs=2, **LMDB_KW)
     db = env.open_db(b"t")
     warm(env, db, ids)
-    sets = [np.sort(s) for s in np.array_split(rng.permutation(ids)[:160_000], 16)]  # 16 disjoint 10k sets
+    # 16 disjoint sets of 10k ids
+    sets = [np.sort(s) for s in np.array_split(rng.permutation(ids)[: SIZE.sets * SIZE.set_rows], SIZE.sets)]
 
     def raw_read(keys_ids: np.ndarray) -> None:
         with env.begin(db=db) as txn:
@@ -140,8 +166,8 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
 
     config = StoreConfig(
         seed=0,
-        device_capacity_rows=10_000,
-        host_capacity_rows=200_000,
+        device_capacity_rows=SIZE.set_rows,
+        host_capacity_rows=SIZE.stored_rows,
         lmdb=LmdbOptions(initial_map_size_bytes=1 << 34),
     )
     with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
@@ -155,13 +181,13 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
             return timed(lambda: store.prefetch(b))
 
         times = alternate(PAIR, len(sets), read)
-        assert store.stats().resident_rows["t"][Tier.HOST] == 160_000
+        assert store.stats().resident_rows["t"][Tier.HOST] == SIZE.sets * SIZE.set_rows
         store.close(flush=False)
-    ssd = report("ssd_read_vs_lmdb", times["baseline"], times["store"], 10_000)
+    ssd = report("ssd_read_vs_lmdb", times["baseline"], times["store"], SIZE.set_rows)
 
     config = StoreConfig(
         seed=0,
-        device_capacity_rows=10_000,
+        device_capacity_rows=SIZE.set_rows,
         host_capacity_rows=0,
         lmdb=LmdbOptions(initial_map_size_bytes=1 << 34, writer_batch_rows=1 << 16),
     )
@@ -169,7 +195,7 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
     cand_t: list[float] = []
     evicted: list[int] = []
     with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
-        weights, state = torch.zeros(10_000, 64), torch.zeros(10_000)
+        weights, state = torch.zeros(SIZE.set_rows, 64), torch.zeros(SIZE.set_rows)
         store.bind("t", weights=weights, state=state)
         for b, keys in enumerate(sets):
             store.make_resident(b, {"t": keys})
@@ -199,28 +225,30 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
         assert evicted == [keys.shape[0] for keys in sets], "every updated row is written back"
         store.close(flush=False)
     env.close()
-    wb = report("writeback_vs_lmdb", base_t, cand_t, 10_000)
+    wb = report("writeback_vs_lmdb", base_t, cand_t, SIZE.set_rows)
     return ssd, wb
 
 
 def bench_host_gather(root: Path) -> float:
     rng = np.random.default_rng(2)
-    ids, store_dir, _ = populate(root / "host", 200_000, rng)
+    ids, store_dir, _ = populate(root / "host", SIZE.stored_rows, rng)
     config = StoreConfig(seed=0, device_capacity_rows=1024, host_capacity_rows=ids.shape[0])
     with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
         for b, chunk in enumerate(np.array_split(ids, 10)):
             store.lookahead(b, {"t": chunk})
             store.prefetch(b)
         assert store.stats().resident_rows["t"][Tier.HOST] == ids.shape[0]
-        query = rng.choice(ids, size=100_000)  # (100k,) with repeats
-        # The baseline gathers the very same rows from the store's own arena (positions looked up untimed).
-        host = store._tables["t"].host  # noqa: SLF001 - benchmark-only peek at the arena
-        arena, positions = host.arena, torch.from_numpy(host.lookup(query))
+        query = rng.choice(ids, size=SIZE.queries)  # (100k,) with repeats
+        # The baseline gathers the same rows from an arena of the same size, read from the store untimed,
+        # at positions looked up untimed.
+        rows = store.read_rows("t", ids)
+        arena = torch.cat([rows.weights, rows.state.reshape(ids.shape[0], -1)], dim=1)
+        positions = torch.from_numpy(np.searchsorted(ids, query))
         base, cand = paired(
-            lambda: torch.index_select(arena, 0, positions), lambda: store.read_rows("t", query), 15
+            lambda: torch.index_select(arena, 0, positions), lambda: store.read_rows("t", query), SIZE.reps
         )
         store.close(flush=False)
-    return report("host_gather_vs_index_select", base, cand, 100_000)
+    return report("host_gather_vs_index_select", base, cand, SIZE.queries)
 
 
 def rss_kib() -> dict[str, int]:
@@ -231,6 +259,8 @@ def scale(root: Path, touched: int, unmap_every: int | None, writer_batch: int) 
     """A 2^62 id space, ``touched`` rows, a host tier far smaller than that."""
     spec = TableSpec(name="big", dim=32, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)  # 132-byte rows
     device_rows, host_rows, batch_new, hot = 1 << 18, 4_000_000, 100_000, 50_000
+    if SIZE is SMOKE:
+        device_rows, host_rows, batch_new, hot = 8192, 8192, 2_000, 1_000
     config = StoreConfig(
         seed=0,
         device_capacity_rows=device_rows,
@@ -332,7 +362,14 @@ def main() -> None:
         "--writer-batch", type=int, default=2048, help="scale test: LmdbOptions.writer_batch_rows"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="seconds at tiny sizes (a test run, not a figure)"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        global SIZE
+        SIZE = SMOKE
+        args.touched = 20_000
     if args.threads:
         torch.set_num_threads(args.threads)
     shutil.rmtree(args.dir, ignore_errors=True)
