@@ -9,6 +9,7 @@ and peak anonymous memory (RssAnon sampled every 5 ms: what the process itself a
 against the same process right after it opened the store. The baseline is the table's raw size.
 
 Usage: python benchmarks/bench_checkpoint.py [--rows 4000000] [--host-rows 65536] [--dir /tmp/bench_ckpt]
+       [--smoke]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from harness import RssPeak, emit, machine_info, run_child, status_kib
 
 from embedding_store import LmdbOptions, OptimizerKind, StoreConfig, TableSpec, TieredStore, restore_resharded
-from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.backends import open_backend
 
 SPEC = TableSpec(name="t", dim=32, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)
 SEED = 0
@@ -34,7 +35,7 @@ def _config(host_rows: int) -> StoreConfig:
 
 
 def build(path: Path, rows: int) -> None:
-    backend = LmdbBackend(path, options=LmdbOptions(), seed=SEED, tables=[SPEC])
+    backend = open_backend(path, options=LmdbOptions(), seed=SEED, tables=[SPEC])
     chunk = 1 << 17
     rng = np.random.default_rng(0)
     for start in range(0, rows, chunk):
@@ -73,12 +74,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4_000_000)
     parser.add_argument("--host-rows", type=int, default=65_536)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_ckpt"))
+    parser.add_argument(
+        "--smoke", action="store_true", help="20,000 rows, seconds (a test run, not a figure)"
+    )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "SRC", "DEST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         kind, src, dest = args.child
         child(kind, Path(src), Path(dest), args.host_rows)
         return
+    if args.smoke:
+        args.rows, args.host_rows = 20_000, 1024
     emit(machine_info("torch", "numpy"))
     shutil.rmtree(args.dir, ignore_errors=True)
     store, snap, resharded = args.dir / "store", args.dir / "snap", args.dir / "resharded"
