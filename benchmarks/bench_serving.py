@@ -18,6 +18,7 @@ Prints throughput (samples/s) and p50/p99 latency side by side; the last line is
 ratios, candidate speed over baseline speed (higher is better), plus the export figures.
 
 Usage: python benchmarks/bench_serving.py [--dir /tmp/bench_serving] [--steps 60] [--id-space 200000]
+       [--smoke]   (seconds at tiny sizes; the trained run in --dir is reused when it exists)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from harness import alternate, emit, machine_info, peak_rss_mib, run_child, time
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZES = (1, 64, 1024)
 CALLS = {1: 2000, 64: 400, 1024: 60}
+SMOKE_CALLS = {1: 20, 64: 5, 1024: 2}
 
 
 def export_child(run: Path, out: Path, buffer_rows: int) -> None:
@@ -65,7 +67,7 @@ def _config(args: argparse.Namespace) -> str:
 [synthetic]
 num_sparse = {args.features}
 id_space = {args.id_space}
-eval_samples = 65536
+eval_samples = {65536 if not args.smoke else 4096}
 [model]
 embedding_dim = 16
 [train]
@@ -177,6 +179,11 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=8)
     parser.add_argument("--buffer-rows", type=int, default=4096)
     parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds: 2 tables of 5,000 ids, 4 steps, a few calls (a test run)",
+    )
+    parser.add_argument(
         "--export-child", nargs=3, metavar=("RUN", "OUT", "BUFFER_ROWS"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
@@ -184,6 +191,9 @@ def main() -> None:
         run, out, buffer_rows = args.export_child
         export_child(Path(run), Path(out), int(buffer_rows))
         return
+    calls = CALLS
+    if args.smoke:
+        args.steps, args.id_space, args.features, calls = 4, 5000, 2, SMOKE_CALLS
     emit(machine_info("torch", "numpy"))
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -227,7 +237,7 @@ def main() -> None:
     ratios: dict[str, float] = {}
     print(f"{'batch':>6} {'model':>12} {'samples/s':>12} {'p50 ms':>9} {'p99 ms':>9}")
     for b in BATCH_SIZES:
-        times = measure(candidates, inputs(run, b, CALLS[b]))
+        times = measure(candidates, inputs(run, b, calls[b]))
         base = times["torchrec"]
         for name, t in times.items():
             print(
