@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_real_data.py                       # all three configs, seeds 0,1,2
     .venv/bin/python benchmarks/bench_real_data.py --only movielens-100k --seeds 0-4
+    .venv/bin/python benchmarks/bench_real_data.py --smoke   # seconds: the code path, not a result
 
 For every config it runs, through the CLI in subprocesses and one after another, ``recsys train --config C
 --seeds S`` (the config's model) and the same with ``--set model.name=logistic`` (the baseline), into
@@ -120,11 +121,14 @@ def compare(
     }
 
 
-def bench(name: str, out: Path, seeds: str = "0,1,2", *, python: str = sys.executable) -> dict[str, Any]:
-    """The config ``name``'s model and its logistic baseline on ``seeds``, compared."""
-    model, model_wall = train(CONFIGS[name], out / name / "model", seeds, python=python)
+def bench(
+    name: str, out: Path, seeds: str = "0,1,2", *, python: str = sys.executable, sets: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The config ``name``'s model and its logistic baseline on ``seeds``, compared (``sets``: more
+    ``--set`` overrides for both)."""
+    model, model_wall = train(CONFIGS[name], out / name / "model", seeds, *sets, python=python)
     logistic, lr_wall = train(
-        CONFIGS[name], out / name / "logistic", seeds, "model.name=logistic", python=python
+        CONFIGS[name], out / name / "logistic", seeds, *sets, "model.name=logistic", python=python
     )
     result = compare(name, model, logistic)
     result["wall_s"] = {"model": round(model_wall, 1), "logistic": round(lr_wall, 1)}
@@ -167,14 +171,23 @@ def main() -> None:
     )
     parser.add_argument("--seeds", default="0,1,2", help="seeds, as recsys train --seeds takes them (0,1,2)")
     parser.add_argument("--out", type=Path, help="run folder (default: a fresh folder under /tmp)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds: MovieLens-100k, seed 0, 4 steps (the code path; its checks are expected to fail)",
+    )
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="tierrec-real-data-", dir="/tmp"))
     names = args.only or list(CONFIGS)
+    sets: tuple[str, ...] = ()
+    if args.smoke:
+        names, args.seeds = ["movielens-100k"], "0"
+        sets = ("train.steps=4", "eval.every=0", "train.log_every=2")
     emit({**machine_info(), "runs_in": str(out)})
     start = time.perf_counter()
     results = {}
     for name in names:
-        results[name] = bench(name, out, args.seeds)
+        results[name] = bench(name, out, args.seeds, sets=sets)
         print(table(name, results[name]) + "\n", flush=True)
     wall = time.perf_counter() - start
     print(f"wall time {wall:.0f} s")
