@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_readers.py                 # compare, a ~270 MB file (1M rows)
     .venv/bin/python benchmarks/bench_readers.py --rows 2000000
     .venv/bin/python benchmarks/bench_readers.py --rss --gb 5    # stream a 5 GB file, sample RSS
+    .venv/bin/python benchmarks/bench_readers.py --smoke         # seconds: the code path, not a figure
 
 The file is generated under /tmp in the exact Criteo layout (empty fields, negative counts, 8-digit hex
 ids ≥ 2**31) and deleted afterwards. Both readers parse everything: ours into the trainer's columns (int64
@@ -51,9 +52,9 @@ def _chunk_of_lines(rows: int, seed: int) -> bytes:
     return ("\n".join("\t".join(r) for r in table.tolist()) + "\n").encode()
 
 
-def make_file(path: Path, total_bytes: int) -> int:
+def make_file(path: Path, total_bytes: int, block_rows: int = 240_000) -> int:
     """Write ~``total_bytes`` of Criteo lines by repeating a 64 MB block; returns the line count."""
-    block = _chunk_of_lines(240_000, seed=0)
+    block = _chunk_of_lines(block_rows, seed=0)
     lines_per_block = block.count(b"\n")
     written = lines = 0
     with open(path, "wb") as fh:
@@ -124,7 +125,7 @@ def _tree_rss_mb() -> float:
 def compare(args: argparse.Namespace) -> dict[str, object]:
     path = Path(args.dir) / "bench_criteo.tsv"
     try:
-        lines = make_file(path, int(args.rows * 270))
+        lines = make_file(path, int(args.rows * 270), min(240_000, args.rows))
         size_mb = path.stat().st_size / 1e6
         _warm(path)
         best: dict[str, float] = {}
@@ -168,7 +169,7 @@ def rss(args: argparse.Namespace) -> dict[str, object]:
         t0 = time.perf_counter()
         # Generate in a child process, so that this process's peak RSS (ru_maxrss) is the reader's alone.
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            lines = pool.apply(make_file, (path, int(args.gb * 1e9)))
+            lines = pool.apply(make_file, (path, int(args.gb * 1e9), min(240_000, int(args.gb * 1e9) // 270)))
         print(
             f"wrote {path.stat().st_size / 1e9:.2f} GB ({lines:,} lines) in {time.perf_counter() - t0:.0f} s"
         )
@@ -220,7 +221,12 @@ def main() -> None:
     parser.add_argument("--rss", action="store_true", help="stream a big file and report RSS instead")
     parser.add_argument("--gb", type=float, default=5.0, help="size of the --rss file")
     parser.add_argument("--dir", default="/tmp", help="where the generated file goes (deleted afterwards)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="seconds: a 20,000-row file (or 5 MB with --rss), one run each"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.repeat, args.gb = 20_000, 1, 0.005
     global CHUNK_KIB
     CHUNK_KIB = args.chunk_kib
     emit(machine_info("numpy", "pyarrow"))
