@@ -11,7 +11,7 @@ Prints the machine and versions first and, as its LAST line, one JSON object wit
 replay), raw ids and trace accesses per table, the sample rate, lru_max_abs_error,
 lookahead_max_abs_error and the 60 s target.
 
-Usage: python benchmarks/bench_tune.py [--ids 10000000] [--batch-size 16384]
+Usage: python benchmarks/bench_tune.py [--ids 10000000] [--batch-size 16384] [--smoke]
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ids", type=int, default=10_000_000, help="raw ids per table")
     parser.add_argument("--batch-size", type=int, default=16384)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 40,000 ids per table (a test run)")
     args = parser.parse_args()
+    if args.smoke:
+        args.ids, args.batch_size = 40_000, 2048
     emit(machine_info("numpy", "torch"))
     cfg, steps = config(args.ids, args.batch_size)
     row_bytes = 4 * 17
@@ -67,7 +70,12 @@ def main() -> None:
     tune_s = time.perf_counter() - start
     name = next(iter(rep.traces))
     trace = rep.traces[name][0]
-    sample = tuner._sample(trace, tuner.SAMPLE_ABOVE_ACCESSES, tuner.MIN_SAMPLED_IDS)  # the predictions'
+    # The sample the tuner predicts from: about SAMPLE_ABOVE_ACCESSES accesses, at least MIN_SAMPLED_IDS ids.
+    want = max(
+        tuner.SAMPLE_ABOVE_ACCESSES / max(1, trace.ids.shape[0]),
+        tuner.MIN_SAMPLED_IDS / max(1, trace.num_ids),
+    )
+    sample = trace.sample(want) if want < 1 else trace
     rate = sample.sample_rate
     floor = result.doc["tables"][name]["min_device_rows"]
     caps = capacity_grid(floor, trace.num_ids, 16).astype(np.float64)
