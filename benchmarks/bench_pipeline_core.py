@@ -16,7 +16,7 @@ Prints the machine and versions, each run, and as its LAST line one JSON object:
 - pipelined_vs_sequential: sequential step time / pipelined step time (speed-up).
 
 Usage: python benchmarks/bench_pipeline_core.py [--steps 200] [--delays-ms 5,10,20] [--consumer-ms 20]
-       [--repeats 3] [--trace /tmp/pipeline_trace.json]
+       [--repeats 3] [--trace /tmp/pipeline_trace.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ def main() -> None:
     parser.add_argument("--consumer-ms", type=float, default=20.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trace", default=None, help="write the first pipelined run's Chrome trace here")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 12 steps, one repeat (a test run)")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.repeats = 12, 2, 1
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps must exceed --warmup + 1, got {args.steps}")
     delays_s = [float(d) / 1e3 for d in args.delays_ms.split(",")]
