@@ -13,9 +13,12 @@ Tiers (highest first; the highest tier holding a row holds its latest value, tie
   and reads/writes rows there in place; one pin bit per in-flight batch.
 - host: a preallocated arena (pinned when CUDA is present) with dirty bits; dirty victims go to a
   background writer that batches LMDB transactions; reads see rows still queued (read-your-writes).
-- ssd: one LMDB environment per rank shard (``path``), one named DB per table, 8-byte big-endian keys.
-  The map grows on demand up to an optional cap; a full map/disk raises StoreFullError with nothing
-  half-written; ``tierrec.lock`` (flock) refuses a second opener with StoreLockedError.
+- ssd: a backend per rank shard (``path``, :mod:`embedding_store.backends`): LMDB in the ``"log"``
+  layout (the default: rows placed by write time, an id index in RAM) or the ``"btree"`` layout (one
+  B-tree per table keyed by id), or ``"memory"`` (rows in RAM, persisted to one file). The store records
+  its format, seed, layout and tables, and is read with what it recorded. A full map/disk raises
+  StoreFullError with nothing half-written; ``tierrec.lock`` (flock) refuses a second opener with
+  StoreLockedError. ``TieredStore(..., backend=...)`` takes a backend opened by the caller.
 
 Lifecycle of a job's shard (:class:`ShardDirectory`): one lock beside the directory (``rank_r.lock`` for
 ``rank_r/``), taken before the directory is deleted and held until close, covers opening it fresh, from a
@@ -46,10 +49,10 @@ steps, when no backward is updating the slot table::
 
 Building blocks: :class:`~embedding_store.index.HashIdMap` / ``DenseIdMap`` (vectorised id -> position
 maps), eviction policies (``LRU``, ``LFU``, ``LOOKAHEAD``) in :mod:`embedding_store.policies`, the
-SplitMix64 hash in :mod:`embedding_store.hashing` (numpy only), and the LMDB backend in
-:mod:`embedding_store.lmdb_backend` (the only module that imports ``lmdb``). The store, the backend and
-``init_rows`` load on first use: importing the config, the errors or the hashing leaf loads neither torch
-nor LMDB.
+SplitMix64 hash in :mod:`embedding_store.hashing` (numpy only), and the backends in
+:mod:`embedding_store.backends` (``open_backend``, ``open_snapshot``; its LMDB modules are the only ones
+that import ``lmdb``). The store, the backends and ``init_rows`` load on first use: importing the config,
+the errors or the hashing leaf loads neither torch nor LMDB.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from embedding_store.errors import (
     StoreFullError,
     StoreIncompatibleError,
     StoreLockedError,
+    StoreSegmentsError,
 )
 from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats, TierStats
@@ -74,10 +78,9 @@ from embedding_store.stats import StoreStats, TierStats
 if TYPE_CHECKING:
     from embedding_store.index import num_embeddings_for
     from embedding_store.init import init_rows
-    from embedding_store.lmdb_scan import scan_snapshot
     from embedding_store.rows import RowChunk
     from embedding_store.shard import ShardDirectory
-    from embedding_store.snapshot import restore_resharded, restore_snapshot, snapshot_chunks
+    from embedding_store.snapshot import restore_resharded, restore_snapshot, scan_snapshot, snapshot_chunks
     from embedding_store.store import TieredStore
 
 # Loaded on first use, so that importing a light module of the package (its config, errors or the
@@ -85,10 +88,12 @@ if TYPE_CHECKING:
 _LAZY = {
     "init_rows": "embedding_store.init",
     "num_embeddings_for": "embedding_store.index",
-    "scan_snapshot": "embedding_store.lmdb_scan",
     "RowChunk": "embedding_store.rows",
     "ShardDirectory": "embedding_store.shard",
-    **dict.fromkeys(("restore_resharded", "restore_snapshot", "snapshot_chunks"), "embedding_store.snapshot"),
+    **dict.fromkeys(
+        ("restore_resharded", "restore_snapshot", "scan_snapshot", "snapshot_chunks"),
+        "embedding_store.snapshot",
+    ),
     "TieredStore": "embedding_store.store",
 }
 
@@ -118,6 +123,7 @@ __all__ = [
     "StoreFullError",
     "StoreIncompatibleError",
     "StoreLockedError",
+    "StoreSegmentsError",
     "StoreStats",
     "TableSpec",
     "Tier",

@@ -118,7 +118,7 @@ class TableSpec:
 
 
 # When a read is split over the reader threads: "auto" while reads fault pages in from the disk, "always"
-# whenever it is large enough (``LmdbOptions.read_split``, ``embedding_store.lmdb_threads.ReaderPool``).
+# whenever it is large enough (``LmdbOptions.read_split``, ``embedding_store.backends.lmdb_threads.ReaderPool``).
 READ_SPLITS = ("auto", "always")
 
 
@@ -165,13 +165,15 @@ class LmdbOptions:
         read_split: when a read is split over ``read_threads``: ``"auto"`` (the default) only while reads
             take major page faults, i.e. wait for the disk (a read of cached pages runs in the calling
             thread, and hands its remaining runs to the pool once one of them faulted;
-            ``embedding_store.lmdb_threads``); ``"always"``: every read of 128 keys or more.
+            ``embedding_store.backends.lmdb_threads``); ``"always"``: every read of 128 keys or more.
         layout: how a new store places its rows (an existing store keeps the layout it was created with):
             ``"log"`` appends every write-back as records numbered by write time, with an id index in RAM
             (~20-40 bytes per stored id of an unbounded table, 8 per possible id of a bounded one up to
-            2^22 ids) and compaction of dead versions (``embedding_store.lmdb_log``); ``"btree"`` keys rows
-            by id, which rewrites a 4 KiB page per written-back row once the store is much larger than a
-            transaction (docs/tiers.md, "Write-back by write time").
+            2^22 ids) and compaction of dead versions (``embedding_store.backends.log``); ``"btree"`` keys
+            rows by id, which rewrites a 4 KiB page per written-back row once the store is much larger than
+            a transaction (docs/tiers.md, "Write-back by write time"); ``"memory"`` keeps the rows in RAM
+            and writes them all to one file at every flush (``embedding_store.backends.memory``; small
+            tables, and tests), its rows' bytes capped by ``max_map_size_bytes``.
         log_segment_rows: records per segment of a new log-layout store, the unit that compaction copies
             and drops.
         log_compact_at: dead share of the whole log at which compaction runs: the deadest sealed
@@ -243,8 +245,8 @@ class LmdbOptions:
             raise ValueError(f"LmdbOptions.read_threads must be an int in 1..256, got {self.read_threads!r}")
         if self.read_split not in READ_SPLITS:
             raise ValueError(f"LmdbOptions.read_split must be 'auto' or 'always', got {self.read_split!r}")
-        if self.layout not in ("log", "btree"):
-            raise ValueError(f"LmdbOptions.layout must be 'log' or 'btree', got {self.layout!r}")
+        if self.layout not in ("log", "btree", "memory"):
+            raise ValueError(f"LmdbOptions.layout must be 'log', 'btree' or 'memory', got {self.layout!r}")
         if (
             not isinstance(self.log_segment_rows, int)
             or isinstance(self.log_segment_rows, bool)

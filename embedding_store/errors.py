@@ -16,6 +16,7 @@ __all__ = [
     "StoreFullError",
     "StoreIncompatibleError",
     "StoreLockedError",
+    "StoreSegmentsError",
 ]
 
 
@@ -54,3 +55,8 @@ class StoreCapacityError(StoreError):
 
 class StoreClosedError(StoreError):
     """The store was used after ``close()``."""
+
+
+class StoreSegmentsError(StoreFullError):
+    """A log-layout store would need more segments than its cap (``LOG_MAX_SEGMENTS``); nothing was
+    written. The message names ``store.lmdb.log_segment_rows``, the value the store records and the cap."""

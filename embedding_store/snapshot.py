@@ -1,7 +1,8 @@
 """Store snapshots: durable publication, read-only streaming, and restores into a new store directory.
 
-A snapshot (written by :meth:`embedding_store.TieredStore.snapshot`) is a directory holding one compacted
-``data.mdb``. It is restored as it is (:func:`restore_snapshot`), or re-partitioned: every snapshot of
+A snapshot (written by :meth:`embedding_store.TieredStore.snapshot`) is a directory holding the store's
+file (a compacted ``data.mdb``, or the memory backend's ``memory.npz``); it is read through
+:func:`embedding_store.backends.open_snapshot`. It is restored as it is (:func:`restore_snapshot`), or re-partitioned: every snapshot of
 another partition of the rows streamed into a new store that keeps the rows its owner accepts
 (:func:`restore_resharded`). Both write into a directory that holds no store yet; to replace a live one
 under its lock, use :class:`embedding_store.ShardDirectory`.
@@ -16,13 +17,40 @@ from pathlib import Path
 
 import numpy as np
 
+from embedding_store.backends import STORE_FILES, open_backend, open_snapshot, store_file
 from embedding_store.config import StoreConfig, TableSpec
 from embedding_store.errors import StoreError
-from embedding_store.lmdb_backend import LmdbBackend
-from embedding_store.lmdb_scan import scan_snapshot
 from embedding_store.rows import RowChunk, row_chunk
 
-__all__ = ["fsync", "publish", "publish_snapshot", "restore_resharded", "restore_snapshot", "snapshot_chunks"]
+__all__ = [
+    "fsync",
+    "publish",
+    "publish_snapshot",
+    "restore_resharded",
+    "restore_snapshot",
+    "scan_snapshot",
+    "snapshot_chunks",
+]
+
+
+def scan_snapshot(
+    path: Path, spec: TableSpec, *, seed: int, chunk_rows: int = 1 << 16
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Rows of ``spec``'s table in a closed store or snapshot, read-only, ascending ids, in chunks.
+
+    Yields ``((n,) int64 ids, (n, R) float32 rows)`` with n <= ``chunk_rows``; memory stays near one chunk
+    whatever the table's size. Nothing is written to ``path`` (no lock file). A snapshot without the
+    table yields nothing.
+
+    Raises:
+        StoreIncompatibleError: the snapshot holds the table with another description, or another seed.
+        StoreCorruptError: the snapshot is unreadable.
+    """
+    reader = open_snapshot(path, seed=seed)
+    try:
+        yield from reader.chunks(spec, chunk_rows=chunk_rows)
+    finally:
+        reader.close()
 
 
 def snapshot_chunks(path: str | os.PathLike[str], spec: TableSpec, *, seed: int) -> Iterator[RowChunk]:
@@ -49,7 +77,9 @@ def publish(tmp: Path, final: Path) -> None:
 
 def publish_snapshot(tmp: Path, dest: Path) -> None:
     """Make the snapshot copied into the folder ``tmp`` durable and publish it as ``dest``."""
-    fsync(tmp / "data.mdb")
+    for name in STORE_FILES:
+        if (tmp / name).is_file():
+            fsync(tmp / name)
     publish(tmp, dest)
 
 
@@ -59,15 +89,15 @@ def restore_snapshot(snapshot: str | os.PathLike[str], path: str | os.PathLike[s
     The copy is written under a temporary name, fsynced and renamed: no partial ``data.mdb`` ever opens.
     """
     src, dst = Path(snapshot), Path(path)
-    if not (src / "data.mdb").is_file():
-        raise StoreError(f"{src} is not a store snapshot (no data.mdb)")
-    if (dst / "data.mdb").exists():
-        raise StoreError(f"{dst} already holds a store; restore into an empty directory")
+    found = store_file(src)
+    if found is None:
+        raise StoreError(f"{src} is not a store snapshot (no {' or '.join(STORE_FILES)})")
+    _check_empty(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    tmp = dst / ".data.mdb.tmp"
+    tmp = dst / f".{found.name}.tmp"
     try:
-        shutil.copyfile(src / "data.mdb", tmp)
-        publish(tmp, dst / "data.mdb")
+        shutil.copyfile(found, tmp)
+        publish(tmp, dst / found.name)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -90,20 +120,27 @@ def restore_resharded(
     tables=tables)``. Returns the number of rows written.
     """
     dst = Path(path)
-    if (dst / "data.mdb").exists():
-        raise StoreError(f"{dst} already holds a store; restore into an empty directory")
-    dst.mkdir(parents=True, exist_ok=True)
-    backend = LmdbBackend(dst, options=config.lmdb, seed=config.seed, tables=tables)
+    _check_empty(dst)
+    backend = open_backend(dst, options=config.lmdb, seed=config.seed, tables=tables)
     written = 0
     try:
         for snapshot in snapshots:
-            for spec in tables:
-                for ids, rows in scan_snapshot(Path(snapshot), spec, seed=config.seed, chunk_rows=chunk_rows):
-                    mask = keep(spec.name, ids)
-                    if mask.any():
-                        backend.put_rows([(spec.name, ids[mask], rows[mask])])
-                        written += int(mask.sum())
+            reader = open_snapshot(snapshot, seed=config.seed, tables=tables)
+            try:
+                for spec in tables:
+                    for ids, rows in reader.chunks(spec, chunk_rows=chunk_rows):
+                        mask = keep(spec.name, ids)
+                        if mask.any():
+                            backend.put_rows([(spec.name, ids[mask], rows[mask])])
+                            written += int(mask.sum())
+            finally:
+                reader.close()
         backend.sync()
     finally:
         backend.close()
     return written
+
+
+def _check_empty(dst: Path) -> None:
+    if store_file(dst) is not None or (dst / "data.mdb").exists():
+        raise StoreError(f"{dst} already holds a store; restore into an empty directory")

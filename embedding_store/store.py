@@ -25,9 +25,9 @@ from types import TracebackType
 import numpy as np
 import torch
 
+from embedding_store.backends import RowBackend, open_backend
 from embedding_store.config import MAX_ID, StoreConfig, TableSpec, Tier
 from embedding_store.errors import StoreClosedError
-from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.lockfile import DirectoryLock
 from embedding_store.rows import RowChunk, row_chunk
 from embedding_store.snapshot import publish_snapshot
@@ -56,7 +56,7 @@ def _strictly_increasing(ids: np.ndarray) -> bool:
 
 
 class TieredStore:
-    """Embedding rows of several tables on three tiers: device slots, host DRAM, LMDB.
+    """Embedding rows of several tables on three tiers: device slots, host DRAM, the SSD backend.
 
     Args:
         path: the store directory of this rank shard (created if missing). Holds the LMDB environment and
@@ -65,6 +65,9 @@ class TieredStore:
         tables: the tiered tables of this shard.
         lock: a lock the caller holds that already guards ``path`` (a :class:`ShardDirectory`'s, beside
             the directory); the store then takes no ``tierrec.lock`` and leaves this one to its holder.
+        backend: the SSD tier's backend, opened by the caller on ``path`` for ``config.seed`` and
+            ``tables`` (the store closes it); None opens ``open_backend(path, options=config.lmdb, ...)``,
+            whose layout ``config.lmdb.layout`` chooses for a new store.
 
     Raises:
         StoreLockedError: another process (or handle) has the store open.
@@ -89,6 +92,7 @@ class TieredStore:
         config: StoreConfig,
         tables: Sequence[TableSpec],
         lock: DirectoryLock | None = None,
+        backend: RowBackend | None = None,
     ) -> None:
         names = [t.name for t in tables]
         if not names or len(set(names)) != len(names):
@@ -101,7 +105,11 @@ class TieredStore:
         # Only a lock of its own is the store's to release; a caller's covers more than the store's life.
         self._dir_lock = DirectoryLock(self.path) if lock is None else None
         try:
-            self._backend = LmdbBackend(self.path, options=config.lmdb, seed=config.seed, tables=tables)
+            self._backend = (
+                backend
+                if backend is not None
+                else open_backend(self.path, options=config.lmdb, seed=config.seed, tables=tables)
+            )
         except BaseException:
             self._release_dir_lock()
             raise
@@ -375,7 +383,7 @@ class TieredStore:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a snapshot that was killed
             tmp.mkdir(parents=True)
             try:
-                self._backend.copy_to(tmp)
+                self._backend.snapshot(tmp)
                 publish_snapshot(tmp, dest)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from embedding_store.backends.base import RowBackend
 from embedding_store.config import StoreConfig, TableSpec, Tier
 from embedding_store.errors import IdOutOfRangeError, StoreCapacityError, StoreError
 from embedding_store.init import init_rows
-from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.stats import TierStats
-from embedding_store.tiers import DeviceTier, FutureIds, HostTier, PendingRows
+from embedding_store.tiers import DeviceTier, FutureIds, HostTier
 from embedding_store.writer import WriteBehind
 
 __all__ = ["PrefetchPlan", "TieredTable"]
@@ -50,18 +50,17 @@ class TieredTable:
     Args:
         spec: the table.
         config: the store's configuration (seed, capacities, policy).
-        backend: the LMDB backend (reads).
+        backend: the SSD tier's backend (reads).
         writer: the background writer (writes and pending reads).
     """
 
     def __init__(
-        self, spec: TableSpec, config: StoreConfig, backend: LmdbBackend, writer: WriteBehind
+        self, spec: TableSpec, config: StoreConfig, backend: RowBackend, writer: WriteBehind
     ) -> None:
         self.spec = spec
         self._config = config
         self._backend = backend
-        self._writer = writer
-        self._pending = PendingRows.of(writer)  # the writer's queue, indexed: lookups, submissions
+        self._writer = writer  # submissions, and lookups of the rows it holds (indexed)
         self.host = HostTier(spec, config.host_rows(spec), config.policy)
         self.device: DeviceTier | None = None
         self.stats = {tier: TierStats() for tier in Tier}
@@ -111,7 +110,7 @@ class TieredTable:
         """Fill ``rows[todo]`` for sorted ``ids[todo]`` from the writer, LMDB, then the lazy init."""
         ssd = self.stats[Tier.SSD]
         sub = ids[todo]
-        found, pending = self._pending.lookup(self.spec.name, sub)
+        found, pending = self._writer.lookup(self.spec.name, sub)
         idx = np.flatnonzero(todo)
         if found.any():
             rows[idx[found]] = pending
@@ -128,11 +127,11 @@ class TieredTable:
             ssd.add_out(int(found.sum()) + disk_rows.shape[0], self.spec.row_bytes)
 
     def _spill(self, ids: np.ndarray, rows: np.ndarray, *, indexed: bool = True) -> None:
-        """Hand dirty rows to the writer, sorted by id (see ``PendingRows.submit`` for ``indexed``)."""
+        """Hand dirty rows to the writer, sorted by id (see ``WriteBehind.submit`` for ``indexed``)."""
         if ids.shape[0] == 0:
             return
         order = np.argsort(ids, kind="stable")
-        self._pending.submit(self.spec.name, ids[order], rows[order], indexed=indexed)
+        self._writer.submit(self.spec.name, ids[order], rows[order], indexed=indexed)
         self.stats[Tier.SSD].add_in(ids.shape[0], self.spec.row_bytes)
 
     def _put_host(self, ids: np.ndarray, rows: np.ndarray, *, dirty: bool, future: FutureIds) -> None:
@@ -253,7 +252,7 @@ class TieredTable:
             plan = PrefetchPlan(ids=todo, epoch=self._epoch)
             self._plans.append(plan)
             return plan
-        found, pending = self._pending.lookup(self.spec.name, todo)
+        found, pending = self._writer.lookup(self.spec.name, todo)
         if found.any():
             self.stats[Tier.SSD].hits += int(found.sum())
             plan = PrefetchPlan(todo[~found], self._epoch, pending_ids=todo[found], pending_rows=pending)
@@ -347,7 +346,7 @@ class TieredTable:
         """Queue every device row and every dirty host row for writing, in chunks (bounded memory).
 
         The caller drains the writer before it lets go of the store lock, so these submissions are not
-        indexed (``PendingRows``): an index of every row the store holds would cost as much memory.
+        indexed (``WriteBehind.submit``): an index of every row the store holds would cost as much memory.
         """
         if self.device is not None:
             slots = self.device.occupied()

@@ -1,5 +1,4 @@
-"""The two cache tiers above LMDB, the host arena and the device slot table, and the index of the rows
-waiting in the background writer (:class:`PendingRows`).
+"""The two cache tiers above LMDB, the host arena and the device slot table.
 
 The tiers are free of I/O and of locking (the store serialises calls); they keep an id map, a position ->
 id array, a free-position stack and an eviction policy, and move packed float32 rows (see ``config``).
@@ -7,11 +6,8 @@ id array, a free-position stack and an eviction policy, and move packed float32 
 
 from __future__ import annotations
 
-import weakref
-from collections import deque
 from collections.abc import Callable
 
-import numba
 import numpy as np
 import torch
 
@@ -19,9 +15,8 @@ from embedding_store.config import PolicyKind, TableSpec
 from embedding_store.index import make_id_map
 from embedding_store.memory import empty_host, to_device, to_host
 from embedding_store.policies import make_policy
-from embedding_store.writer import WriteBehind
 
-__all__ = ["DeviceTier", "FutureIds", "HostTier", "PendingRows"]
+__all__ = ["DeviceTier", "FutureIds", "HostTier"]
 
 # Lazily: the announced batches of the window as (batches from now, the sorted unique ids it uses),
 # nearest first; empty when nothing is announced.
@@ -253,193 +248,3 @@ class DeviceTier(_Positions):
     def unpin(self, key: int) -> None:
         """Drop every pin of batch ``key``."""
         self._pins.pop(key, None)
-
-
-# ------------------------------------------------------------------------- the writer's pending rows
-_EMPTY, _TOMB = -1, -2
-_MUL = np.uint64(0x9E3779B97F4A7C15)
-
-
-@numba.njit("int64(int64[:], int64[:], int64[:], int64[:], int64)", nogil=True, cache=True)
-def _hash_put(
-    keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, values: np.ndarray, shift: int
-) -> int:  # pragma: no cover
-    """keys[id] = value for each (id, value), ids >= 0 (open addressing, Fibonacci hashing, linear
-    probing; a tombstone is reused); returns how many empty cells it took."""
-    mask = keys.shape[0] - 1
-    taken = 0
-    for i in range(ids.shape[0]):
-        x = ids[i]
-        h = np.int64((np.uint64(x) * _MUL) >> np.uint64(shift))
-        tomb = np.int64(-1)
-        while True:
-            k = keys[h]
-            if k == x:
-                break
-            if k == _EMPTY:
-                if tomb >= 0:
-                    h = tomb
-                else:
-                    taken += 1
-                break
-            if k == _TOMB and tomb < 0:
-                tomb = h
-            h = (h + 1) & mask
-        keys[h] = x
-        vals[h] = values[i]
-    return taken
-
-
-@numba.njit("void(int64[:], int64[:], int64[:], int64, int64, int64)", nogil=True, cache=True)
-def _hash_drop(
-    keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, lo: int, hi: int, shift: int
-) -> None:  # pragma: no cover
-    """Remove each of ``ids`` whose value lies in [lo, hi)."""
-    mask = keys.shape[0] - 1
-    for i in range(ids.shape[0]):
-        x = ids[i]
-        h = np.int64((np.uint64(x) * _MUL) >> np.uint64(shift))
-        while keys[h] != _EMPTY:
-            if keys[h] == x:
-                if lo <= vals[h] < hi:
-                    keys[h] = _TOMB
-                break
-            h = (h + 1) & mask
-
-
-@numba.njit("int64[:](int64[:], int64[:], int64[:], int64)", nogil=True, cache=True)
-def _hash_get(
-    keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, shift: int
-) -> np.ndarray:  # pragma: no cover
-    """The value of each id, -1 where absent."""
-    mask = keys.shape[0] - 1
-    out = np.full(ids.shape[0], -1, dtype=np.int64)
-    for i in range(ids.shape[0]):
-        x = ids[i]
-        h = np.int64((np.uint64(x) * _MUL) >> np.uint64(shift))
-        while keys[h] != _EMPTY:
-            if keys[h] == x:
-                out[i] = vals[h]
-                break
-            h = (h + 1) & mask
-    return out
-
-
-class _TablePending:
-    """One table's indexed submissions that may be pending, and the newest of them holding each id."""
-
-    def __init__(self) -> None:
-        self.entries: deque[tuple[int, np.ndarray]] = deque()  # (first row number, ids)
-        self.rows: list[np.ndarray] = []  # (n, R) rows of each entry
-        self.firsts = np.empty(0, dtype=np.int64)  # (E,) first row number of each entry
-        self._resize(1 << 10)
-
-    def _resize(self, size: int) -> None:
-        self.keys = np.full(size, _EMPTY, dtype=np.int64)  # id -> row number of its newest copy
-        self.vals = np.zeros(size, dtype=np.int64)
-        self.shift = 64 - (size.bit_length() - 1)
-        self.used = 0  # cells not empty (live keys and tombstones)
-
-    def add(self, first: int, ids: np.ndarray, rows: np.ndarray) -> None:
-        n = ids.shape[0]
-        if 2 * (self.used + n) > self.keys.shape[0]:  # rebuild at a load of at most 1/4
-            keys, vals = self.keys, self.vals
-            live = keys >= 0
-            self._resize(1 << max(10, (4 * (int(live.sum()) + n) - 1).bit_length()))
-            self.used = _hash_put(self.keys, self.vals, keys[live], vals[live], self.shift)
-        self.used += _hash_put(
-            self.keys, self.vals, ids, np.arange(first, first + n, dtype=np.int64), self.shift
-        )
-        self.entries.append((first, ids))
-        self.rows.append(rows)
-        self.firsts = np.append(self.firsts, first)
-
-    def drop_committed(self, committed: int) -> None:
-        """Forget the entries whose rows are all among the first ``committed`` rows written."""
-        while self.entries and self.entries[0][0] + self.entries[0][1].shape[0] <= committed:
-            first, ids = self.entries.popleft()
-            _hash_drop(self.keys, self.vals, ids, first, first + ids.shape[0], self.shift)
-            self.rows.pop(0)
-            self.firsts = self.firsts[1:]
-
-    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        number = _hash_get(self.keys, self.vals, np.ascontiguousarray(ids, dtype=np.int64), self.shift)
-        found = number >= 0
-        if not found.any():
-            return found, np.empty((0, 0), dtype=np.float32)
-        number = number[found]
-        entry = np.searchsorted(self.firsts, number, side="right") - 1
-        first = int(entry[0])
-        if first == entry[-1] and (entry == first).all():  # one entry holds them all
-            return found, self.rows[first][number - self.firsts[first]]
-        out = np.empty((number.shape[0], self.rows[first].shape[1]), dtype=np.float32)
-        for e in np.unique(entry).tolist():  # the entries holding the rows: a few, mostly the newest
-            sel = np.flatnonzero(entry == e)
-            out[sel] = self.rows[e][number[sel] - self.firsts[e]]
-        return found, out
-
-
-class PendingRows:
-    """The rows a store's tables handed to its writer, indexed: :meth:`lookup` answers as
-    ``WriteBehind.lookup`` would at that moment — the newest pending copy of each id — without its pass
-    over every pending submission of the table (dozens while the writer gathers a transaction).
-
-    Every submission to the writer goes through :meth:`submit` (``PendingRows.of(writer)`` is the one
-    instance of a writer). The writer commits rows in submission order, so the first ``submitted -
-    writer.pending_rows`` rows submitted are the committed ones, and a submission is pending until all
-    its rows are, as in the writer's queue. Callers hold the store lock: nothing is submitted meanwhile.
-    Submissions made with ``indexed=False`` (a flush's, drained before its caller lets go of the lock)
-    are counted but not indexed; while any of them may be pending, lookups ask the writer.
-    """
-
-    _of: weakref.WeakKeyDictionary[WriteBehind, PendingRows] = weakref.WeakKeyDictionary()
-
-    def __init__(self, writer: WriteBehind) -> None:
-        self._writer = weakref.ref(writer)  # weakly: the registry's value must not keep its key alive
-        self._submitted = 0  # rows submitted through this index
-        self._unindexed_end = 0  # row number after the last submission made with indexed=False
-        self._tables: dict[str, _TablePending] = {}
-
-    @classmethod
-    def of(cls, writer: WriteBehind) -> PendingRows:
-        """The index of ``writer``'s submissions (shared by the tables of its store)."""
-        if writer not in cls._of:
-            cls._of[writer] = cls(writer)
-        return cls._of[writer]
-
-    @property
-    def writer(self) -> WriteBehind:
-        writer = self._writer()
-        assert writer is not None, "the writer outlives the tables that submit to it"
-        return writer
-
-    def _committed(self) -> int:
-        return self._submitted - self.writer.pending_rows
-
-    def submit(self, table: str, ids: np.ndarray, rows: np.ndarray, *, indexed: bool = True) -> None:
-        """``WriteBehind.submit`` of (N,) sorted unique ids and their (N, R) float32 rows."""
-        if ids.shape[0] == 0:
-            return
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
-        pending = self._tables.get(table)
-        if pending is None:
-            pending = self._tables[table] = _TablePending()
-        pending.drop_committed(self._committed())  # what the writer let go of, this index does too
-        self.writer.submit(table, ids, rows)
-        if indexed:
-            pending.add(self._submitted, ids, rows)
-        self._submitted += ids.shape[0]
-        if not indexed:
-            self._unindexed_end = self._submitted
-
-    def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Newest pending rows of (N,) ids: ((N,) bool found, (F, R) rows of the found ids in query order)."""
-        committed = self._committed()
-        if committed < self._unindexed_end:
-            return self.writer.lookup(table, ids)
-        pending = self._tables.get(table)
-        if pending is not None:
-            pending.drop_committed(committed)
-        if pending is None or not pending.entries or ids.shape[0] == 0:
-            return np.zeros(ids.shape[0], dtype=bool), np.empty((0, 0), dtype=np.float32)
-        return pending.lookup(ids)

@@ -1,7 +1,9 @@
-"""The background writer: batches dirty rows evicted from the host tier into LMDB transactions.
+"""The background writer: batches dirty rows evicted from the host tier into the backend's transactions.
 
 Rows handed to :meth:`WriteBehind.submit` stay readable through :meth:`WriteBehind.lookup` until their
-transaction has committed (read-your-writes), newest submission first. A failed commit stops the writer;
+transaction has committed (read-your-writes), newest submission first. The writer indexes what it holds
+(an id -> newest pending copy hash per table), so a lookup costs no pass over every pending submission
+(dozens while the writer gathers a transaction). A failed commit stops the writer;
 the rows stay pending (still readable) and every later ``submit``/``drain``/``check`` raises the failure
 as a StoreError of the same kind, chained to the original, so a caller never hangs on a dead writer.
 """
@@ -14,10 +16,11 @@ from collections import deque
 from dataclasses import dataclass
 from types import TracebackType
 
+import numba
 import numpy as np
 
+from embedding_store.backends.base import RowBackend
 from embedding_store.errors import StoreError
-from embedding_store.lmdb_backend import LmdbBackend
 from embedding_store.threads import lower_thread_priority
 
 __all__ = ["WriteBehind", "WriterSettings"]
@@ -52,7 +55,7 @@ class WriterSettings:
 
 
 class WriteBehind:
-    """A writer thread in front of an :class:`LmdbBackend` (a context manager).
+    """A writer thread in front of a :class:`~embedding_store.backends.RowBackend` (a context manager).
 
     The writer lets rows gather before it commits: a transaction starts once ``min_batch_rows`` rows
     wait, or the oldest has waited ``linger_s``, or someone drains or closes the writer, or submitters
@@ -64,7 +67,7 @@ class WriteBehind:
         settings: when to commit (transaction sizes, waiting, the thread's priority).
     """
 
-    def __init__(self, backend: LmdbBackend, settings: WriterSettings) -> None:
+    def __init__(self, backend: RowBackend, settings: WriterSettings) -> None:
         self._backend = backend
         self._batch_rows = settings.batch_rows
         self._max_pending_rows = settings.max_pending_rows
@@ -83,6 +86,13 @@ class WriteBehind:
         self.commits = 0
         self.rows_written = 0
         self.seconds = 0.0
+        # The index of the pending rows, touched by the callers only (never by the writer thread). The
+        # writer commits rows in submission order, so the first ``_submitted - pending_rows`` rows
+        # submitted are the committed ones.
+        self._index_lock = threading.Lock()
+        self._submitted = 0  # rows submitted
+        self._unindexed_end = 0  # row number after the last submission made with indexed=False
+        self._index: dict[str, _TablePending] = {}
         self._thread = threading.Thread(target=self._run, name="tierrec-writer", daemon=True)
         self._thread.start()
 
@@ -98,10 +108,32 @@ class WriteBehind:
             kind = type(err) if isinstance(err, StoreError) else StoreError
             raise kind(f"background LMDB writer failed: {err}") from err
 
-    def submit(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Queue (N,) sorted unique ids with their (N, R) rows; the arrays are owned by the writer now."""
+    def submit(self, table: str, ids: np.ndarray, rows: np.ndarray, *, indexed: bool = True) -> None:
+        """Queue (N,) sorted unique ids with their (N, R) float32 rows; the arrays are owned by the writer now.
+
+        ``indexed=False`` (a flush's submissions, drained before the caller goes on): not indexed, as an
+        index of every row a store holds would cost as much memory again; while any of them may be
+        pending, lookups pass over the queue instead.
+        """
         if ids.shape[0] == 0:
             return
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        with self._index_lock:
+            pending = self._index.get(table)
+            if pending is None:
+                pending = self._index[table] = _TablePending()
+            pending.drop_committed(self._committed())  # what the writer let go of, the index does too
+            self._enqueue(table, ids, rows)
+            if indexed:
+                pending.add(self._submitted, ids, rows)
+            self._submitted += ids.shape[0]
+            if not indexed:
+                self._unindexed_end = self._submitted
+
+    def _committed(self) -> int:
+        return self._submitted - self._pending_rows
+
+    def _enqueue(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         with self._cond:
             self._cond.wait_for(
                 lambda: self._error is not None or self._pending_rows < self._max_pending_rows or self._stop
@@ -114,7 +146,20 @@ class WriteBehind:
             self._cond.notify_all()
 
     def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Latest pending rows of (N,) ids: ((N,) bool found, (F, R) rows of the found ids in query order)."""
+        """Newest pending rows of (N,) ids: ((N,) bool found, (F, R) rows of the found ids in query order)."""
+        with self._index_lock:
+            committed = self._committed()
+            if committed < self._unindexed_end:
+                return self.lookup_queue(table, ids)
+            pending = self._index.get(table)
+            if pending is not None:
+                pending.drop_committed(committed)
+            if pending is None or not pending.entries or ids.shape[0] == 0:
+                return np.zeros(ids.shape[0], dtype=bool), np.empty((0, 0), dtype=np.float32)
+            return pending.lookup(ids)
+
+    def lookup_queue(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`lookup` by a pass over the queue, newest submission first (without the index)."""
         found = np.zeros(ids.shape[0], dtype=bool)
         with self._cond:
             entries = [e for e in self._pending if e.table == table]
@@ -219,6 +264,130 @@ class WriteBehind:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------- the index of the pending rows
+_EMPTY, _TOMB = -1, -2
+_MUL = np.uint64(0x9E3779B97F4A7C15)
+
+
+@numba.njit("int64(int64[:], int64[:], int64[:], int64[:], int64)", nogil=True, cache=True)
+def _hash_put(
+    keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, values: np.ndarray, shift: int
+) -> int:  # pragma: no cover
+    """keys[id] = value for each (id, value), ids >= 0 (open addressing, Fibonacci hashing, linear
+    probing; a tombstone is reused); returns how many empty cells it took."""
+    mask = keys.shape[0] - 1
+    taken = 0
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        h = np.int64((np.uint64(x) * _MUL) >> np.uint64(shift))
+        tomb = np.int64(-1)
+        while True:
+            k = keys[h]
+            if k == x:
+                break
+            if k == _EMPTY:
+                if tomb >= 0:
+                    h = tomb
+                else:
+                    taken += 1
+                break
+            if k == _TOMB and tomb < 0:
+                tomb = h
+            h = (h + 1) & mask
+        keys[h] = x
+        vals[h] = values[i]
+    return taken
+
+
+@numba.njit("void(int64[:], int64[:], int64[:], int64, int64, int64)", nogil=True, cache=True)
+def _hash_drop(
+    keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, lo: int, hi: int, shift: int
+) -> None:  # pragma: no cover
+    """Remove each of ``ids`` whose value lies in [lo, hi)."""
+    mask = keys.shape[0] - 1
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        h = np.int64((np.uint64(x) * _MUL) >> np.uint64(shift))
+        while keys[h] != _EMPTY:
+            if keys[h] == x:
+                if lo <= vals[h] < hi:
+                    keys[h] = _TOMB
+                break
+            h = (h + 1) & mask
+
+
+@numba.njit("int64[:](int64[:], int64[:], int64[:], int64)", nogil=True, cache=True)
+def _hash_get(
+    keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, shift: int
+) -> np.ndarray:  # pragma: no cover
+    """The value of each id, -1 where absent."""
+    mask = keys.shape[0] - 1
+    out = np.full(ids.shape[0], -1, dtype=np.int64)
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        h = np.int64((np.uint64(x) * _MUL) >> np.uint64(shift))
+        while keys[h] != _EMPTY:
+            if keys[h] == x:
+                out[i] = vals[h]
+                break
+            h = (h + 1) & mask
+    return out
+
+
+class _TablePending:
+    """One table's indexed submissions that may be pending, and the newest of them holding each id."""
+
+    def __init__(self) -> None:
+        self.entries: deque[tuple[int, np.ndarray]] = deque()  # (first row number, ids)
+        self.rows: list[np.ndarray] = []  # (n, R) rows of each entry
+        self.firsts = np.empty(0, dtype=np.int64)  # (E,) first row number of each entry
+        self._resize(1 << 10)
+
+    def _resize(self, size: int) -> None:
+        self.keys = np.full(size, _EMPTY, dtype=np.int64)  # id -> row number of its newest copy
+        self.vals = np.zeros(size, dtype=np.int64)
+        self.shift = 64 - (size.bit_length() - 1)
+        self.used = 0  # cells not empty (live keys and tombstones)
+
+    def add(self, first: int, ids: np.ndarray, rows: np.ndarray) -> None:
+        n = ids.shape[0]
+        if 2 * (self.used + n) > self.keys.shape[0]:  # rebuild at a load of at most 1/4
+            keys, vals = self.keys, self.vals
+            live = keys >= 0
+            self._resize(1 << max(10, (4 * (int(live.sum()) + n) - 1).bit_length()))
+            self.used = _hash_put(self.keys, self.vals, keys[live], vals[live], self.shift)
+        self.used += _hash_put(
+            self.keys, self.vals, ids, np.arange(first, first + n, dtype=np.int64), self.shift
+        )
+        self.entries.append((first, ids))
+        self.rows.append(rows)
+        self.firsts = np.append(self.firsts, first)
+
+    def drop_committed(self, committed: int) -> None:
+        """Forget the entries whose rows are all among the first ``committed`` rows written."""
+        while self.entries and self.entries[0][0] + self.entries[0][1].shape[0] <= committed:
+            first, ids = self.entries.popleft()
+            _hash_drop(self.keys, self.vals, ids, first, first + ids.shape[0], self.shift)
+            self.rows.pop(0)
+            self.firsts = self.firsts[1:]
+
+    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        number = _hash_get(self.keys, self.vals, np.ascontiguousarray(ids, dtype=np.int64), self.shift)
+        found = number >= 0
+        if not found.any():
+            return found, np.empty((0, 0), dtype=np.float32)
+        number = number[found]
+        entry = np.searchsorted(self.firsts, number, side="right") - 1
+        first = int(entry[0])
+        if first == entry[-1] and (entry == first).all():  # one entry holds them all
+            return found, self.rows[first][number - self.firsts[first]]
+        out = np.empty((number.shape[0], self.rows[first].shape[1]), dtype=np.float32)
+        for e in np.unique(entry).tolist():  # the entries holding the rows: a few, mostly the newest
+            sel = np.flatnonzero(entry == e)
+            out[sel] = self.rows[e][number[sel] - self.firsts[e]]
+        return found, out
 
 
 def _merge(batch: list[_Pending]) -> list[tuple[str, np.ndarray, np.ndarray]]:

@@ -90,4 +90,8 @@ class SnapshotReader(Protocol):
             StoreIncompatibleError: the snapshot holds the table with another description.
         """
 
+    def check(self, spec: TableSpec) -> None:
+        """Raise StoreIncompatibleError when the snapshot holds ``spec``'s table with another description
+        (a table it lacks passes)."""
+
     def close(self) -> None: ...

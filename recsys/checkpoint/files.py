@@ -29,7 +29,7 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 # LMDB's lock file: any LMDB tool that opens a store snapshot, even read-only (``mdb_stat``, ``lmdb.open(path,
 # readonly=True)``), creates it beside ``data.mdb``. It holds the reader table, no data, and nothing of a
 # checkpoint reads it: a restore copies ``data.mdb`` alone and every read of a snapshot opens it with
-# ``lock=False`` (embedding_store.snapshot, lmdb_scan).
+# ``lock=False`` (embedding_store.snapshot, embedding_store.backends.lmdb_snapshot).
 _LMDB_LOCK = "lock.mdb"
 _HASH_CHUNK_BYTES = 1 << 20
 # A checkpoint that failed verification is renamed with this prefix: kept for inspection, never resumed.

@@ -34,8 +34,8 @@ import lmdb
 import numpy as np
 import torch
 
-from embedding_store import OptimizerKind, StoreError, TableSpec
-from embedding_store.lmdb_scan import scan_snapshot
+from embedding_store import OptimizerKind, StoreError, TableSpec, scan_snapshot
+from embedding_store.backends import open_snapshot
 from recsys.checkpoint import checkpoint_meta
 from recsys.config import config_to_dict
 from recsys.errors import UserError
@@ -47,9 +47,9 @@ from recsys.serving.safetensors_stream import SAFETENSORS_DTYPES, Chunks, tensor
 __all__ = ["ExportOptions", "export_bundle"]
 
 _TABLE_KEY = re.compile(r"(?:^|\.)embedding_bags\.(?P<table>[^.]+)\.weight$")
-# Where embedding_store keeps a store's metadata (embedding_store.lmdb_backend): JSON with the seed and
-# each table's dim, optimizer, id space and init scale.
-_STORE_META_DB, _STORE_META_KEY = b"__meta__", b"format"
+# The recorded description of a table that the ranks' snapshots must agree on (the rest, such as the
+# log layout's geometry, is how one snapshot stores it).
+_TABLE_IDENTITY = ("dim", "optimizer", "num_embeddings", "init_scale", "dtype", "row_bytes")
 # LMDB page and key overhead over the packed rows, for the first map size (it doubles when full).
 _MAP_SLACK = 1.5
 
@@ -80,17 +80,14 @@ def _load_rank(checkpoint: Path, rank: int) -> dict[str, Any]:
 
 
 def _snapshot_tables(snapshot: Path) -> tuple[int, dict[str, dict[str, Any]]]:
-    """The seed and per-table layout recorded in a store snapshot (read-only, no lock file)."""
+    """The seed and per-table description recorded in a store snapshot (read-only, no lock file)."""
     try:
-        env = lmdb.open(str(snapshot), readonly=True, lock=False, subdir=True, max_dbs=64)
+        reader = open_snapshot(snapshot, seed=None)
         try:
-            with env.begin() as txn:
-                raw = txn.get(_STORE_META_KEY, db=env.open_db(_STORE_META_DB, txn=txn, create=False))
+            return int(reader.seed), {name: dict(desc) for name, desc in reader.tables.items()}
         finally:
-            env.close()
-        meta = json.loads(bytes(raw)) if raw is not None else None
-        return int(meta["seed"]), dict(meta["tables"])
-    except (lmdb.Error, ValueError, TypeError, KeyError) as err:
+            reader.close()
+    except (StoreError, ValueError, TypeError) as err:
         raise UserError(f"store snapshot {snapshot} is unreadable ({type(err).__name__}: {err})") from None
 
 
@@ -429,7 +426,10 @@ def _copy_tiered(
 ) -> tuple[int, int, dict[str, Any]]:
     """Stream one tiered table from its snapshots into the bundle; returns (rows, floats per row, layout)."""
     layout = sources[0][1]
-    if any(other != layout for _, other in sources):
+    if any(
+        {k: other.get(k) for k in _TABLE_IDENTITY} != {k: layout.get(k) for k in _TABLE_IDENTITY}
+        for _, other in sources
+    ):
         raise UserError(f"export: the store snapshots disagree on the layout of table {table}")
     spec = TableSpec(
         name=table,

@@ -70,7 +70,7 @@ def write_failure(err: BaseException, dest: Path, retry: str) -> UserError | Non
 
     if isinstance(err, lmdb.Error):
         from embedding_store import StoreFullError
-        from embedding_store.lmdb_backend import map_error
+        from embedding_store.backends.lmdb_env import map_error
 
         if isinstance(map_error(err, str(dest), dest.parent), StoreFullError):
             return UserError(f"no space left on device writing {dest}; free disk space, then {retry}")

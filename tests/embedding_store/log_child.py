@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from embedding_store import LmdbOptions, OptimizerKind, TableSpec
-from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.backends import RowBackend
+from embedding_store.backends import open_backend as _open_backend
 
 SPEC = TableSpec(name="t", dim=3, optimizer=OptimizerKind.EXACT_SGD)
 OPTIONS = LmdbOptions(initial_map_size_bytes=1 << 20, log_segment_rows=64, log_compact_at=0.5)
@@ -39,8 +40,8 @@ def expected(seed: int, upto: int) -> dict[int, tuple[float, ...]]:
     return out
 
 
-def open_backend(path: str | Path) -> LmdbBackend:
-    return LmdbBackend(Path(path), options=OPTIONS, seed=0, tables=[SPEC])
+def open_backend(path: str | Path) -> RowBackend:
+    return _open_backend(Path(path), options=OPTIONS, seed=0, tables=[SPEC])
 
 
 def main() -> None:

@@ -6,18 +6,19 @@ from __future__ import annotations
 import numpy as np
 
 from embedding_store import LmdbOptions, OptimizerKind, TableSpec
-from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.backends.btree import BTreeBackend
+from embedding_store.backends.lmdb_env import open_env
 
 BOUNDED = TableSpec(name="b", dim=2, optimizer=OptimizerKind.EXACT_SGD, num_embeddings=1000)
 UNBOUNDED = TableSpec(name="u", dim=2, optimizer=OptimizerKind.EXACT_SGD)
 
 
-class _Counting(LmdbBackend):
+class _Counting(BTreeBackend):
     """Records the ids of every LMDB lookup."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, path, *, options, seed, tables) -> None:  # type: ignore[no-untyped-def]
         self.looked_up: list[int] = []
+        super().__init__(open_env(path, options, len(tables)), options=options, seed=seed, tables=tables)
 
     def _get_chunk(self, table, ids):  # type: ignore[no-untyped-def]
         self.looked_up += ids.tolist()

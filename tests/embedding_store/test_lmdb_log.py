@@ -1,4 +1,4 @@
-"""The log layout of the LMDB backend (embedding_store/lmdb_log.py) against a dict oracle: reads, scans,
+"""The log layout of the LMDB backend (embedding_store/backends/log_tables.py) against a dict oracle: reads, scans,
 reopen, compaction with its space bound, reads racing the writer, a segment drop that meets a full map, and a
 SIGKILL anywhere in a compaction.
 """
@@ -17,13 +17,16 @@ import lmdb
 import numpy as np
 import pytest
 
-from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, StoreFullError, TableSpec, lmdb_log
-from embedding_store.lmdb_backend import LmdbBackend
-from embedding_store.lmdb_log import replay_runs
-from embedding_store.lmdb_scan import scan_snapshot
-from embedding_store.log_format import Geometry, runs_name, segment_name
+from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, StoreFullError, TableSpec
+from embedding_store.backends import log_tables as lmdb_log
+from embedding_store.backends import open_backend
+from embedding_store.backends.btree import BTreeBackend
+from embedding_store.backends.log import LogBackend
+from embedding_store.backends.log_format import Geometry, runs_name, segment_name
+from embedding_store.backends.log_live import Liveness
+from embedding_store.backends.log_records import Commit, replay_runs
 from embedding_store.log_index import DenseSeqIndex, HashSeqIndex, SortedSeqIndex
-from embedding_store.log_live import Liveness
+from embedding_store.snapshot import scan_snapshot
 
 sys.path.insert(0, str(Path(__file__).parent))
 import log_child  # noqa: E402
@@ -39,8 +42,8 @@ def _options(**kw: object) -> LmdbOptions:
     )
 
 
-def _open(path: Path, **kw: object) -> LmdbBackend:
-    return LmdbBackend(path, options=_options(**kw), seed=0, tables=[BOUNDED, UNBOUNDED])
+def _open(path: Path, **kw: object) -> LogBackend:
+    return open_backend(path, options=_options(**kw), seed=0, tables=[BOUNDED, UNBOUNDED])
 
 
 def _id_space(spec: TableSpec) -> int:
@@ -54,14 +57,14 @@ class _Oracle:
     def put(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         self.rows[table].update(zip(ids.tolist(), rows, strict=True))
 
-    def check(self, backend: LmdbBackend, table: str, ids: np.ndarray) -> None:
+    def check(self, backend: LogBackend, table: str, ids: np.ndarray) -> None:
         found, rows = backend.get_rows(table, ids)
         want = [i in self.rows[table] for i in ids.tolist()]
         assert found.tolist() == want
         expect = [self.rows[table][i] for i in ids[found].tolist()]
         assert np.array_equal(rows, np.array(expect, dtype=np.float32).reshape(rows.shape))
 
-    def check_all(self, backend: LmdbBackend) -> None:
+    def check_all(self, backend: LogBackend) -> None:
         for table, rows in self.rows.items():
             assert backend.num_rows(table) == len(rows)
             got_ids, got_rows, after = [], [], -1
@@ -78,7 +81,7 @@ class _Oracle:
                 assert np.array_equal(np.concatenate(got_rows), np.stack([rows[i] for i in ids.tolist()]))
 
 
-def _random_writes(rng: np.random.Generator, oracle: _Oracle, backend: LmdbBackend, steps: int) -> None:
+def _random_writes(rng: np.random.Generator, oracle: _Oracle, backend: LogBackend, steps: int) -> None:
     for step in range(steps):
         writes = []
         for spec in (BOUNDED, UNBOUNDED):
@@ -98,12 +101,12 @@ def _random_writes(rng: np.random.Generator, oracle: _Oracle, backend: LmdbBacke
                 oracle.check(backend, spec.name, q.astype(np.int64))
 
 
-def _check_liveness(backend: LmdbBackend) -> None:
+def _check_liveness(backend: LogBackend) -> None:
     """The writer's live bits and counts equal what the index and the runs say (the oracle)."""
-    log = backend._log
+    log = backend.log
     assert log is not None
     for t in log._tables.values():
-        _, records, _ = replay_runs(log._env, t.runs_db, t.spec, t.geo)
+        _, records = replay_runs(log._env, t.runs_db, t.spec, t.geo)
         assert t.alive.records == records
         seqs = np.sort(t.index.items()[1])
         for seg in t.alive.records:
@@ -146,7 +149,7 @@ def test_liveness_follows_a_set_oracle() -> None:
 
 def test_compaction_runs_when_the_log_is_compact_at_dead(tmp_path: Path) -> None:
     backend = _open(tmp_path / "env")  # 50-row segments, compact_at 0.5
-    log = backend._log
+    log = backend.log
     assert log is not None
     ids = np.arange(2_000, dtype=np.int64)
     rows = np.zeros((ids.shape[0], UNBOUNDED.row_floats), dtype=np.float32)
@@ -177,7 +180,7 @@ def test_log_matches_a_dict_oracle_through_compaction_and_reopen(tmp_path: Path,
     _random_writes(rng, oracle, backend, 120)
     oracle.check_all(backend)
     _check_liveness(backend)
-    log = backend._log
+    log = backend.log
     assert log is not None and log.stats.compactions > 10 and log.stats.copied_rows > 0
     for spec in (BOUNDED, UNBOUNDED):  # compaction bounds the space: live / (1 - 0.5), plus open segments
         records, live = log.space(spec.name)
@@ -208,7 +211,7 @@ def test_a_large_read_drops_the_mapped_pages_between_chunks(tmp_path: Path) -> N
     rows = rng.standard_normal((ids.shape[0], UNBOUNDED.row_floats)).astype(np.float32)
     for a in range(0, ids.shape[0], 10):  # every write starts a block: 500 blocks
         backend.put_rows([("u", ids[a : a + 10], rows[a : a + 10])])
-    log = backend._log
+    log = backend.log
     assert log is not None
     counted: list[int] = []
     log._io = dataclasses.replace(log._io, count_read=counted.append)
@@ -221,12 +224,12 @@ def test_a_large_read_drops_the_mapped_pages_between_chunks(tmp_path: Path) -> N
 def test_a_store_keeps_its_layout(tmp_path: Path) -> None:
     ids, rows = np.array([1, 5]), np.ones((2, 2), np.float32)
     for layout in ("btree", "log"):
-        backend = LmdbBackend(tmp_path / layout, options=_options(layout=layout), seed=0, tables=[BOUNDED])
+        backend = open_backend(tmp_path / layout, options=_options(layout=layout), seed=0, tables=[BOUNDED])
         backend.put_rows([("b", ids, rows)])
         backend.close()
         other = "log" if layout == "btree" else "btree"
-        backend = LmdbBackend(tmp_path / layout, options=_options(layout=other), seed=0, tables=[BOUNDED])
-        assert (backend._log is None) == (layout == "btree")
+        backend = open_backend(tmp_path / layout, options=_options(layout=other), seed=0, tables=[BOUNDED])
+        assert isinstance(backend, BTreeBackend) == (layout == "btree")
         found, got = backend.get_rows("b", np.array([1, 2, 5]))
         assert found.tolist() == [True, False, True] and np.array_equal(got, rows)
         backend.close()
@@ -270,7 +273,7 @@ def test_reads_racing_writes_and_compactions_always_find_committed_rows(tmp_path
         for t in threads:
             t.join()
     assert not errors, errors[0]
-    assert backend._log is not None and backend._log.stats.compactions > 20
+    assert backend.log is not None and backend.log.stats.compactions > 20
     backend.close()
 
 
@@ -280,7 +283,7 @@ class _FullAtDrop:
     transaction, as a commit that finds no room for its free list does. The transaction aborts, and the
     backend grows the map and runs it again (or gives up at ``max_map_size_bytes``)."""
 
-    def __init__(self, commit: lmdb_log.Commit, *, drops: int, runs: int = 1) -> None:
+    def __init__(self, commit: Commit, *, drops: int, runs: int = 1) -> None:
         self._commit, self._drops, self._runs = commit, drops, runs
         self.drops = self.faults = 0
 
@@ -302,10 +305,10 @@ class _FullAtDrop:
         return self._commit(full, need_bytes, num_rows, exclusive=exclusive)
 
 
-def _check_named_dbs(backend: LmdbBackend) -> None:
+def _check_named_dbs(backend: LogBackend) -> None:
     """The environment holds the runs and the segments the writer knows of, no more: dropped segments are
     gone, and none of the others is missing."""
-    log = backend._log
+    log = backend.log
     assert log is not None
     want = {b"__meta__"}
     for t in log._tables.values():
@@ -315,7 +318,7 @@ def _check_named_dbs(backend: LmdbBackend) -> None:
         assert {bytes(key) for key, _ in txn.cursor()} == want
 
 
-def _check_all(backend: LmdbBackend, oracle: _Oracle) -> None:
+def _check_all(backend: LogBackend, oracle: _Oracle) -> None:
     """Rows, live bits and named databases of ``backend`` equal the oracle's."""
     oracle.check_all(backend)
     _check_liveness(backend)
@@ -326,7 +329,7 @@ def test_a_drop_that_meets_a_full_map_grows_it_and_runs_again(tmp_path: Path) ->
     """Issue 41: ``txn.drop(db, delete=True)`` closes the segment's handle for the whole environment even
     when its transaction then aborts on a full map; the run after the resize must not use that handle."""
     backend = _open(tmp_path / "env", initial_map_size_bytes=1 << 16)
-    log = backend._log
+    log = backend.log
     assert log is not None
     full = _FullAtDrop(log._io.commit, drops=12)
     log._io = dataclasses.replace(log._io, commit=full)
@@ -350,7 +353,7 @@ def test_a_drop_that_meets_a_full_map_at_its_cap_leaves_the_segment_to_a_later_c
     applied; the store stays usable and a later compaction drops the segment (its handle is not reused:
     the slot may belong to a segment opened since)."""
     backend = _open(tmp_path / "env", initial_map_size_bytes=1 << 20, max_map_size_bytes=1 << 22)
-    log = backend._log
+    log = backend.log
     assert log is not None
     full = _FullAtDrop(log._io.commit, drops=1, runs=99)  # 1 -> 2 -> 4 MiB, then the cap
     log._io = dataclasses.replace(log._io, commit=full)
@@ -387,10 +390,10 @@ def test_compaction_walks_multi_block_segments_in_chunks(
     a chunk at most, unpacked ``WALK_BLOCKS`` at a time: the rows stay equal to a dict oracle through
     compactions and a reopen."""
     monkeypatch.setattr(lmdb_log, "WALK_BLOCKS", walk_blocks)
-    backend = LmdbBackend(
+    backend = open_backend(
         tmp_path / "env", options=_options(unmap_every_rows=unmap_every), seed=0, tables=[WIDE]
     )
-    log = backend._log
+    log = backend.log
     assert log is not None and log._tables["w"].geo == Geometry(block=5, segment=50)
     counted: list[int] = []  # blocks counted by each chunk of compaction's reads
     reading = [False]
@@ -417,7 +420,7 @@ def test_compaction_walks_multi_block_segments_in_chunks(
     everything = np.array(sorted(oracle.rows["w"]), dtype=np.int64)
     oracle.check(backend, "w", everything)
     backend.close()
-    backend = LmdbBackend(tmp_path / "env", options=_options(), seed=0, tables=[WIDE])
+    backend = open_backend(tmp_path / "env", options=_options(), seed=0, tables=[WIDE])
     oracle.check(backend, "w", everything)
     backend.close()
 
@@ -427,12 +430,12 @@ def test_compaction_refuses_a_segment_with_a_missing_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walk_blocks: int
 ) -> None:
     monkeypatch.setattr(lmdb_log, "WALK_BLOCKS", walk_blocks)
-    backend = LmdbBackend(tmp_path / "env", options=_options(), seed=0, tables=[WIDE])
+    backend = open_backend(tmp_path / "env", options=_options(), seed=0, tables=[WIDE])
     ids = np.arange(50, dtype=np.int64)  # one full segment: blocks 0..9
     rows = np.arange(50 * WIDE.row_floats, dtype=np.float32).reshape(50, -1)
     backend.put_rows([("w", ids, rows)])
     backend.put_rows([("w", ids[:20], rows[:20] + 1)])  # blocks 0..3 dead, the segment sealed
-    log = backend._log
+    log = backend.log
     assert log is not None
     t = log._tables["w"]
     with backend._env.begin(write=True) as txn:
@@ -447,13 +450,13 @@ def test_compaction_refuses_a_segment_with_a_missing_block(
 
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_read_refuses_a_block_the_index_points_at_that_is_missing(tmp_path: Path, threads: int) -> None:
-    backend = LmdbBackend(
+    backend = open_backend(
         tmp_path / "env", options=_options(read_threads=threads, read_split="always"), seed=0, tables=[WIDE]
     )
     ids = np.arange(50, dtype=np.int64) * 11  # blocks 0..9 of segment 0
     rows = np.arange(50 * WIDE.row_floats, dtype=np.float32).reshape(50, -1)
     backend.put_rows([("w", ids, rows)])
-    log = backend._log
+    log = backend.log
     assert log is not None
     with backend._env.begin(write=True) as txn:
         txn.delete((6).to_bytes(8, "big"), db=log._tables["w"].segs[0])  # rows 30..34
@@ -468,7 +471,7 @@ def test_damaged_runs_are_refused(tmp_path: Path) -> None:
     backend = _open(tmp_path / "env")
     backend.put_rows([("u", np.array([3, 9]), np.ones((2, 4), np.float32))])
     with backend._env.begin(write=True) as txn:  # a run record of the wrong length
-        db = backend._log._tables["u"].runs_db  # type: ignore[union-attr]
+        db = backend.log._tables["u"].runs_db
         txn.put((0).to_bytes(8, "big"), b"\x01\x02\x03", db=db)
     backend.close()
     with pytest.raises(StoreCorruptError, match="damaged run record"):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from embedding_store import LmdbOptions, OptimizerKind, StoreError, TableSpec
-from embedding_store.lmdb_backend import LmdbBackend
-from embedding_store.lmdb_threads import ReaderPool
+from embedding_store.backends import RowBackend, open_backend
+from embedding_store.backends.lmdb_threads import ReaderPool
 
 DIM = 3
 UNBOUNDED = TableSpec(name="u", dim=DIM, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)
@@ -20,11 +20,11 @@ SPACE = 1 << 16  # ids drawn from [0, SPACE): about half of them stored
 SIZES = (0, 1, 2, 63, 127, 128, 129, 500, 1000, 4097)
 
 
-def _open(path, threads: int, **options) -> LmdbBackend:
+def _open(path, threads: int, **options) -> RowBackend:
     """A backend whose reads of 128 keys or more are split whether or not they fault (this file's pages
     are cached: under the default "auto" they would all stay in the calling thread)."""
     options.setdefault("read_split", "always")
-    return LmdbBackend(
+    return open_backend(
         path, options=LmdbOptions(read_threads=threads, **options), seed=0, tables=[UNBOUNDED, BOUNDED]
     )
 

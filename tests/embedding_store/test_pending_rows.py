@@ -1,5 +1,6 @@
-"""PendingRows answers as WriteBehind.lookup does at the same moment (read-your-writes, docs/design.md,
-invariant 6), while the writer holds any number of submissions, commits some of them, or one is in flight.
+"""WriteBehind.lookup (through the writer's index of its pending rows) answers as a pass over its queue
+(``lookup_queue``) does at the same moment (read-your-writes, docs/design.md, invariant 6), while the
+writer holds any number of submissions, commits some of them, or one is in flight.
 
 A backend that blocks every commit until the test lets it go keeps the writer's queue still while both
 are asked about the same ids.
@@ -13,7 +14,6 @@ import time
 import numpy as np
 import pytest
 
-from embedding_store.tiers import PendingRows
 from embedding_store.writer import WriteBehind, WriterSettings
 
 ROW = 3  # floats per row
@@ -58,9 +58,9 @@ def _settle(writer: WriteBehind, backend: GatedBackend) -> None:
     raise AssertionError("the writer did not settle")
 
 
-def _same(index: PendingRows, writer: WriteBehind, table: str, ids: np.ndarray) -> None:
-    found, rows = index.lookup(table, ids)
-    want_found, want_rows = writer.lookup(table, ids)
+def _same(writer: WriteBehind, table: str, ids: np.ndarray) -> None:
+    found, rows = writer.lookup(table, ids)
+    want_found, want_rows = writer.lookup_queue(table, ids)
     np.testing.assert_array_equal(found, want_found)
     if want_found.any():
         np.testing.assert_array_equal(rows, want_rows)
@@ -72,8 +72,6 @@ def test_lookups_match_the_writer_through_submissions_and_commits(seed) -> None:
     backend = GatedBackend()
     settings = WriterSettings(batch_rows=int(rng.integers(5, 60)), max_pending_rows=1 << 20, linger_s=0.0)
     writer = WriteBehind(backend, settings)  # type: ignore[arg-type]
-    index = PendingRows.of(writer)
-    assert PendingRows.of(writer) is index
     tables = ["a", "b"]
     space = 200  # ids collide often: newer copies must win
     value = 0.0
@@ -85,18 +83,18 @@ def test_lookups_match_the_writer_through_submissions_and_commits(seed) -> None:
                 ids = np.unique(rng.integers(0, space, size=int(rng.integers(1, 40))))
                 rows = (value + np.arange(ids.shape[0] * ROW, dtype=np.float32)).reshape(-1, ROW)
                 value += ids.shape[0] * ROW
-                index.submit(table, ids, rows, indexed=bool(rng.random() < 0.9))
+                writer.submit(table, ids, rows, indexed=bool(rng.random() < 0.9))
             else:
                 backend.allow(int(rng.integers(1, 4)))
             _settle(writer, backend)
             for table in tables:
-                _same(index, writer, table, np.unique(rng.integers(0, space, size=60)))
-                _same(index, writer, table, rng.integers(0, space, size=20))  # any order, duplicates
-                _same(index, writer, table, np.empty(0, dtype=np.int64))
+                _same(writer, table, np.unique(rng.integers(0, space, size=60)))
+                _same(writer, table, rng.integers(0, space, size=20))  # any order, duplicates
+                _same(writer, table, np.empty(0, dtype=np.int64))
         backend.allow(10_000)
         writer.drain()
         for table in tables:
-            found, _ = index.lookup(table, np.arange(space))
+            found, _ = writer.lookup(table, np.arange(space))
             assert not found.any()  # everything committed: LMDB holds it all
     finally:
         backend.allow(10_000)
@@ -107,5 +105,5 @@ def test_a_table_with_nothing_submitted_finds_nothing() -> None:
     backend = GatedBackend()
     backend.allow(100)
     with WriteBehind(backend, WriterSettings(batch_rows=8, max_pending_rows=64)) as writer:  # type: ignore[arg-type]
-        found, rows = PendingRows.of(writer).lookup("t", np.arange(5))
+        found, rows = writer.lookup("t", np.arange(5))
         assert not found.any() and rows.shape[0] == 0

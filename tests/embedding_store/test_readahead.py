@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from embedding_store import LmdbOptions, OptimizerKind, TableSpec
-from embedding_store.lmdb_backend import LmdbBackend
-from embedding_store.log_format import encode_keys
-from embedding_store.readahead import PAGE, MappedFile, page_runs
+from embedding_store.backends import open_backend
+from embedding_store.backends.log_format import encode_keys
+from embedding_store.backends.readahead import PAGE, MappedFile, page_runs
 
 SPEC = TableSpec(name="t", dim=64, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)  # 7 rows a block
 
@@ -64,8 +64,8 @@ class _Recording(MappedFile):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read-ahead needs /proc/self/maps")
 def test_compaction_asks_for_the_pages_of_the_rows_it_copies(tmp_path: Path) -> None:
     options = LmdbOptions(initial_map_size_bytes=1 << 22, log_segment_rows=1 << 14)
-    backend = LmdbBackend(tmp_path / "env", options=options, seed=0, tables=[SPEC])
-    log = backend._log
+    backend = open_backend(tmp_path / "env", options=options, seed=0, tables=[SPEC])
+    log = backend.log  # type: ignore[attr-defined]
     assert log is not None
     mapped = _Recording(backend._data_file)
     backend._mapped = mapped  # the map grows during the run: its start is found again
@@ -74,7 +74,7 @@ def test_compaction_asks_for_the_pages_of_the_rows_it_copies(tmp_path: Path) -> 
 
     def watched(table: str, seg: int) -> None:
         t = log._tables[table]
-        _, ids, seqs = log._runs_of(t, seg)
+        _, (ids, seqs), _ = log._runs_of(t, seg)
         blocks = np.unique(seqs[t.index.lookup(ids) == seqs] // t.geo.block)
         with backend._env.begin(buffers=True) as txn:
             got = txn.cursor(db=t.segs[seg]).getmulti(encode_keys(blocks))
@@ -124,12 +124,12 @@ def _mapped_bytes(path: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 def test_the_mapped_pages_are_dropped_through_the_kept_map_address(tmp_path: Path, monkeypatch) -> None:
-    import embedding_store.lmdb_backend as lmdb_backend
+    import embedding_store.backends.lmdb_env as lmdb_env
 
     def no_scan(path: str) -> None:
         raise AssertionError("the drop read /proc/self/maps instead of using the map's kept address")
 
-    backend = LmdbBackend(
+    backend = open_backend(
         tmp_path / "env", options=LmdbOptions(unmap_every_rows=1 << 30), seed=0, tables=[SPEC]
     )
     ids = np.arange(20_000, dtype=np.int64) * 7_919
@@ -140,7 +140,7 @@ def test_the_mapped_pages_are_dropped_through_the_kept_map_address(tmp_path: Pat
     assert found.all() and np.array_equal(got, rows)
     before = _mapped_bytes(backend._data_file)
     assert before > 1 << 20  # the read mapped the pages it touched
-    monkeypatch.setattr(lmdb_backend, "drop_mapped_pages", no_scan)
+    monkeypatch.setattr(lmdb_env, "drop_mapped_pages", no_scan)
     backend._count_read(1 << 30)
     assert _mapped_bytes(backend._data_file) < before // 8
     found, again = backend.get_rows("t", ids)  # the pages fault back in from the page cache

@@ -145,18 +145,18 @@ def _trained_store(path: Path) -> TieredStore:
 
 def test_snapshot_is_written_under_a_temporary_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import embedding_store.snapshot as snapshot_module
-    from embedding_store.lmdb_backend import LmdbBackend
+    from embedding_store.backends.lmdb_env import LmdbRows
 
     store = _trained_store(tmp_path / "store")
     dest, tmp = tmp_path / "ckpt" / "snap", tmp_path / "ckpt" / ".snap.tmp"
-    real_copy = LmdbBackend.copy_to
+    real_copy = LmdbRows.snapshot
 
-    def copy_then_fail(self: LmdbBackend, where: Path) -> None:
+    def copy_then_fail(self: LmdbRows, where: Path) -> None:
         real_copy(self, where)  # the whole copy is written: only the rename is missing
         assert where == tmp and (where / "data.mdb").stat().st_size > 0 and not dest.exists()
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(LmdbBackend, "copy_to", copy_then_fail)
+    monkeypatch.setattr(LmdbRows, "snapshot", copy_then_fail)
     with pytest.raises(OSError, match="No space left"):
         store.snapshot(dest)
     assert not dest.exists() and not tmp.exists()

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 from embedding_store import LmdbOptions, OptimizerKind, TableSpec
-from embedding_store.lmdb_backend import LmdbBackend
+from embedding_store.backends import open_backend
+from embedding_store.backends.lmdb_env import open_env
+from embedding_store.backends.log import LogBackend
 from embedding_store.writer import WriteBehind, WriterSettings
 
 
-class _Recording(LmdbBackend):
+class _Recording(LogBackend):
     """Records the rows of every transaction; the first one waits until released."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, path, *, options, seed, tables) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(open_env(path, options, len(tables)), options=options, seed=seed, tables=tables)
         self.txn_rows: list[int] = []
         self.release = threading.Event()
 
@@ -116,7 +118,7 @@ def test_the_writer_thread_runs_at_a_lower_priority_only(tmp_path) -> None:
     me = threading.get_native_id()
     base = nice_of(me)
     spec = TableSpec(name="t", dim=4, optimizer=OptimizerKind.EXACT_SGD)
-    backend = LmdbBackend(tmp_path / "env", options=LmdbOptions(), seed=0, tables=[spec])
+    backend = open_backend(tmp_path / "env", options=LmdbOptions(), seed=0, tables=[spec])
     seen: list[int] = []
     put_rows = backend.put_rows
     backend.put_rows = lambda writes: (seen.append(nice_of(threading.get_native_id())), put_rows(writes))  # type: ignore[method-assign]

@@ -9,13 +9,13 @@ when that is set, so a test knows when the fault landed.
 
 Sites (the thread each runs on in a pipelined tiered run):
 
-- ``writer``: ``LmdbBackend.put_rows``, a write-back transaction (the background writer thread; kill:
+- ``writer``: ``LogBackend.put_rows`` (the default layout), a write-back transaction (the background writer thread; kill:
   0-3 ms after the transaction starts, so inside it or just after its commit);
 - ``prefetch``: ``TieredTables.prefetch``, SSD -> host reads (the prefetch stage worker);
 - ``route``: ``TieredTables.route``, key routing (the route stage worker);
 - ``compact``: ``LogTables.compact``, one compaction of a log segment (the background writer thread; kill:
   0-3 ms after it starts, so while it reads, copies, drops the segment, or just after);
-- ``snapshot``: ``LmdbBackend.copy_to``, the store snapshot inside a checkpoint (kill: after the copy,
+- ``snapshot``: ``LmdbRows.snapshot`` (both LMDB layouts), the store snapshot inside a checkpoint (kill: after the copy,
   before the checkpoint is marked complete);
 - ``step``: ``TrainModel.forward``, mid training step (the main thread).
 """
@@ -33,11 +33,11 @@ import threading
 import time
 
 _SITES = {
-    "writer": ("embedding_store.lmdb_backend", "LmdbBackend", "put_rows"),
+    "writer": ("embedding_store.backends.log", "LogBackend", "put_rows"),
     "prefetch": ("recsys.tiered", "TieredTables", "prefetch"),
     "route": ("recsys.tiered", "TieredTables", "route"),
-    "compact": ("embedding_store.lmdb_log", "LogTables", "compact"),
-    "snapshot": ("embedding_store.lmdb_backend", "LmdbBackend", "copy_to"),
+    "compact": ("embedding_store.backends.log_tables", "LogTables", "compact"),
+    "snapshot": ("embedding_store.backends.lmdb_env", "LmdbRows", "snapshot"),
     "step": ("recsys.models", "TrainModel", "forward"),
 }
 

@@ -48,20 +48,31 @@ class Liveness:
         segment: sequence numbers per segment.
         records: records written into each segment (segments without records may be absent).
         live_seqs: the sequence numbers the index points at (any order).
+        tombs: tombstone records of each segment (counted in ``records`` too; absent: none).
 
     Attributes:
-        records: segment -> records written into it.
+        records: segment -> records written into it (tombstones included).
         live: segment -> records of it the index points at.
+        tombs: segment -> tombstone records written into it (never live).
     """
 
-    def __init__(self, segment: int, records: dict[int, int], live_seqs: np.ndarray) -> None:
+    def __init__(
+        self,
+        segment: int,
+        records: dict[int, int],
+        live_seqs: np.ndarray,
+        *,
+        tombs: dict[int, int] | None = None,
+    ) -> None:
         self._segment = segment
         self.records: dict[int, int] = {}
         self.live: dict[int, int] = {}
+        self.tombs: dict[int, int] = {}
         self._bits: dict[int, np.ndarray] = {}
         for seg in records:
             self.open(seg)
             self.records[seg] = records[seg]
+            self.tombs[seg] = (tombs or {}).get(seg, 0)
         self._for_segments(np.sort(np.asarray(live_seqs, dtype=np.int64)), self._set_live)
 
     def open(self, seg: int) -> None:
@@ -70,6 +81,7 @@ class Liveness:
             self._bits[seg] = np.zeros(-(-self._segment // 8), dtype=np.uint8)
             self.records[seg] = 0
             self.live[seg] = 0
+            self.tombs[seg] = 0
 
     def publish(self, old: np.ndarray, seqs: np.ndarray) -> None:
         """The index moved ids from records ``old`` (-1: none) to the new records ``seqs``, ascending
@@ -78,13 +90,20 @@ class Liveness:
         self._for_segments(dead, self._set_dead)
         self._for_segments(np.ascontiguousarray(seqs, dtype=np.int64), self._set_new)
 
+    def add_tombs(self, seqs: np.ndarray) -> None:
+        """Tombstone records were written at ascending ``seqs`` (segments already opened)."""
+        segs, counts = np.unique(seqs // self._segment, return_counts=True)
+        for seg, n in zip(segs.tolist(), counts.tolist(), strict=True):
+            self.records[seg] += n
+            self.tombs[seg] += n
+
     def live_seqs(self, seg: int) -> np.ndarray:
         """Ascending sequence numbers of segment ``seg``'s live records."""
         bits = np.unpackbits(self._bits[seg], bitorder="little")
         return np.flatnonzero(bits).astype(np.int64) + seg * self._segment
 
     def drop(self, seg: int) -> None:
-        del self._bits[seg], self.records[seg], self.live[seg]
+        del self._bits[seg], self.records[seg], self.live[seg], self.tombs[seg]
 
     def totals(self) -> tuple[int, int]:
         """(records, live records) over all segments."""
