@@ -227,6 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.rows, args.repeat, args.gb = 20_000, 1, 0.005
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
     global CHUNK_KIB
     CHUNK_KIB = args.chunk_kib
     emit(machine_info("numpy", "pyarrow"))

@@ -1,0 +1,100 @@
+"""Every program in ``benchmarks/`` runs with ``--smoke``: in a fresh process, at tiny sizes, through the same
+code as a full run, and ends with its one JSON result line holding its headline keys.
+
+The figures of a smoke run mean nothing (the sizes are too small to measure anything), so only the shape
+of the result is checked, plus what each program checks itself (exit 0: e.g. bench_scale's and bench_ssd's
+rows read back equal to their oracles). The scratch folders go under pytest's ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import subprocess_env
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+# program -> (the flag naming its scratch folder, or None; headline keys of its last line, dotted for nesting)
+CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "bench_checkpoint.py": ("--dir", ("snapshot_peak_anon_over_table", "reshard_peak_anon_over_table")),
+    "bench_pipeline.py": (
+        "--dir",
+        (
+            "fits_cache_tiered_vs_untiered",
+            "pipelined_vs_sequential",
+            "ssd_bound_tiered_vs_untiered",
+            "cold_tiered_vs_untiered",
+            "step_vs_slowest_stage",
+            "lookahead_hit_rate",
+            "belady_hit_rate",
+        ),
+    ),
+    "bench_pipeline_core.py": (
+        None,
+        ("step_vs_slowest_stage", "sequential_step_vs_sum", "pipelined_vs_sequential"),
+    ),
+    "bench_readers.py": ("--dir", ("ours_over_pyarrow", "ours_rows_per_s", "pyarrow_rows_per_s")),
+    "bench_real_data.py": ("--out", ("all_pass", "configs.movielens-100k.median_auc")),
+    "bench_scale.py": ("--dir", ("rows_in_lmdb", "peak_rss_gib", "writeback_rows_per_s", "all_exact")),
+    "bench_serving.py": (
+        "--dir",
+        ("b1024_cached_throughput_vs_torchrec", "b1_cache_10pct_p50_vs_torchrec", "export_seconds"),
+    ),
+    "bench_ssd.py": (
+        "--dir",
+        ("cold_read_vs_disk", "writeback_vs_append", "write_amplification", "btree_writeback_vs_append"),
+    ),
+    "bench_stage_cpu.py": ("--dir", ("fits_cache.ratio", "ssd_bound.ratio", "ssd_bound.stage_cpu_ns_per_id")),
+    "bench_store.py": (
+        "--dir",
+        ("remap_vs_unique", "ssd_read_vs_lmdb", "writeback_vs_lmdb", "host_gather_vs_index_select"),
+    ),
+    "bench_tune.py": (None, ("tune_seconds", "lru_max_abs_error", "lookahead_max_abs_error")),
+}
+# The slowest, and the one that needs a data set in the user's cache: run by `make test-slow`.
+SLOW = {"bench_real_data.py"}
+
+
+def _lookup(record: dict, dotted: str) -> object:
+    value: object = record
+    for part in dotted.split("."):
+        assert isinstance(value, dict) and part in value, f"no {dotted!r} in {sorted(record)}"
+        value = value[part]
+    return value
+
+
+def test_every_benchmark_program_has_a_smoke_case():
+    """A program added to benchmarks/ gets a case here (a case for a deleted one fails too)."""
+    programs = {p.name for p in BENCHMARKS.glob("bench_*.py")}
+    assert programs == set(CASES)
+
+
+@pytest.mark.parametrize(
+    "program",
+    [pytest.param(p, marks=pytest.mark.slow) if p in SLOW else p for p in sorted(CASES)],
+)
+def test_smoke_run_prints_its_result(program, tmp_path):
+    flag, keys = CASES[program]
+    if program == "bench_real_data.py":
+        from tests.recsys.data.test_real_data import _fetched_or_skip
+
+        _fetched_or_skip("movielens-100k")  # its smoke run trains on MovieLens-100k
+    command = [sys.executable, str(BENCHMARKS / program), "--smoke"]
+    if flag is not None:
+        command += [flag, str(tmp_path / "scratch")]
+    proc = subprocess.run(
+        command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"{program} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert lines, f"{program} printed nothing"
+    result = json.loads(lines[-1])
+    assert isinstance(result, dict), lines[-1][:500]
+    for key in keys:
+        _lookup(result, key)
