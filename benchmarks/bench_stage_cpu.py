@@ -57,7 +57,7 @@ import lmdb
 import numpy as np
 import torch
 from stage_cpu.driver import Driver, Shape, Timers, make_batch, other_threads_cpu_ns, zipf_ids
-from stage_cpu.floor import LmdbCapture, floor_step, lmdb_floor
+from stage_cpu.floor import CapturingBackend, floor_step, lmdb_floor
 from stage_cpu.trainer import run_trainer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -82,8 +82,9 @@ def run_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, o
             ]
         batches[s] = make_batch(vals, keys)
     timers = Timers()
-    driver = Driver(shape, root / shape.name, args.dim, timers)
-    capture = LmdbCapture(driver.store)
+    driver = Driver(shape, root / shape.name, args.dim, timers, wrap=CapturingBackend)
+    capture = driver.backend
+    assert isinstance(capture, CapturingBackend)
     batch_of = batches.__getitem__
     first = -1  # step -1 fills batch 0
     driver.start(first, batch_of)

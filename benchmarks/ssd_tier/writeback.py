@@ -22,8 +22,8 @@ against LMDB's sorted bulk append of the same number of rows, measured in the sa
 4. Check: 1,000 sampled ids read back through the backend equal the newest write of each (an array
    oracle of write numbers).
 
-The backend is opened by ``embedding_store.backends.open_backend`` and driven through its public methods
-only; compaction counts are reported where the backend publishes a ``stats`` record.
+The backend is opened by ``embedding_store.backends.open_backend`` and driven through its public methods;
+the log layout's compaction counts and records per live row come from its public ``log`` attribute.
 
 Write amplification = bytes the process handed the kernel (``wchar``) or the device wrote, whichever is
 less (:func:`ssd_tier.disk.write_amplification`), per byte of rows written back in the window.
@@ -152,7 +152,7 @@ def store_writeback(
     if layout == "log":
         out["log_compact_at"] = options.log_compact_at
     rng = np.random.default_rng(seed)
-    log = getattr(backend, "stats", None)  # compaction counters, where the backend publishes them
+    log = getattr(backend, "log", None)  # the log layout's tables: their public stats and space
     writes = [0]
 
     def picks(rows: int) -> list[np.ndarray]:
@@ -208,6 +208,9 @@ def store_writeback(
     out.update(window_rows=written, seconds=total_s, rows_per_s=written / total_s, parts=parts)
     out.update(write_amplification=write_amplification(disk, written), disk=disk)
     out["disk_reads_per_row"] = disk["read_bytes"] / 4096 / written
+    if log is not None:
+        records, live = log.space("t")
+        out["records_per_live_row"] = records / live
     out["data_mdb_gib"] = (path / "data.mdb").stat().st_size / 2**30
     check_newest(backend, ids, version, rng, layout)
     out["checked_rows"] = CHECK_ROWS
@@ -224,10 +227,10 @@ def _cpu(since: dict[str, float] | None = None) -> dict[str, float]:
     return now if since is None else {k: round(v - since[k], 3) for k, v in now.items()}
 
 
-def _log_counts(stats: Any) -> dict[str, float]:
-    """The compaction counters of a backend's public ``stats`` record ({} where it has none)."""
+def _log_counts(log: Any) -> dict[str, float]:
+    """The compaction counters of the log layout's tables ({} for the B-tree)."""
     keys = ("copied_rows", "compactions", "compact_s", "readahead_bytes")
-    return {} if stats is None else {k: getattr(stats, k) for k in keys if hasattr(stats, k)}
+    return {} if log is None else {k: getattr(log.stats, k) for k in keys}
 
 
 def fill(backend: RowBackend, ids: np.ndarray) -> None:

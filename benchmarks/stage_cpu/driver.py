@@ -17,6 +17,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store import OptimizerKind, StoreConfig, TableSpec, TieredStore
+from embedding_store.backends import RowBackend, open_backend
 from recsys.routing import Ownership, RoutedIds, Router, values_by_feature
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -111,7 +112,9 @@ def thread_cpu_ns(tid: int) -> int:
 class Driver:
     """The calls ``TieredTables`` makes on one rank, over one store (recsys/tiered.py)."""
 
-    def __init__(self, shape: Shape, path: Path, dim: int, timers: Timers) -> None:
+    def __init__(
+        self, shape: Shape, path: Path, dim: int, timers: Timers, wrap: Callable[[RowBackend], RowBackend]
+    ) -> None:
         self.shape = shape
         self.names = [f"t{i}" for i in range(shape.tables)]
         self.keys = [f"f{i}" for i in range(shape.tables)]
@@ -125,7 +128,9 @@ class Driver:
             )
             for n in self.names
         ]
-        self.store = TieredStore(path, config=config, tables=specs)
+        # The store's backend, as open_backend gives it, wrapped by ``wrap`` (the floor's recorder).
+        self.backend = wrap(open_backend(path, options=config.lmdb, seed=config.seed, tables=specs))
+        self.store = TieredStore(path, config=config, tables=specs, backend=self.backend)
         self.weights = {n: torch.zeros(shape.device_rows, dim) for n in self.names}
         for n in self.names:
             self.store.bind(n, weights=self.weights[n], state=torch.zeros(shape.device_rows))

@@ -1,5 +1,5 @@
 """The floor of the tier stages' work, timed in the same run: what the store's backend read and wrote
-(recorded by :class:`LmdbCapture`) redone with raw py-lmdb, and each step's ``torch.unique`` and
+(recorded by :class:`CapturingBackend`) redone with raw py-lmdb, and each step's ``torch.unique`` and
 ``index_select`` (bench_stage_cpu.py)."""
 
 from __future__ import annotations
@@ -13,41 +13,67 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embedding_store import TieredStore
+from embedding_store.backends import RowBackend, Writes
 from recsys.routing import values_by_feature
 from stage_cpu.driver import Driver
 
 LMDB_KW = {"map_size": 1 << 36, "subdir": True, "sync": False, "metasync": False, "readahead": False}
 
 
-class LmdbCapture:
-    """Records the keys of the rows the store's backend reads and the groups its writer commits."""
+class CapturingBackend:
+    """A :class:`~embedding_store.backends.RowBackend` that passes every call to ``inner`` and, while
+    :attr:`on`, records the ids of the rows read and the groups each commit wrote: the work the floor
+    redoes with raw py-lmdb. It is handed to the store (``TieredStore(..., backend=)``); nothing of the
+    store or its backend is patched."""
 
-    def __init__(self, store: TieredStore) -> None:
-        backend = store._backend  # noqa: SLF001 - a benchmark's probe, wrapped on this instance only
+    def __init__(self, inner: RowBackend) -> None:
+        self.inner = inner
         self.reads: list[np.ndarray] = []
         self.commits: list[list[tuple[str, np.ndarray, int]]] = []
         self.on = False
-        get_rows, put_rows = backend.get_rows, backend.put_rows
-        lock = threading.Lock()
+        self._lock = (
+            threading.Lock()
+        )  # reads come from the reader pool and the stages, commits from the writer
 
-        def get(table: str, ids: np.ndarray, *args: object, **kw: object) -> tuple[np.ndarray, np.ndarray]:
-            found, rows = get_rows(table, ids, *args, **kw)
-            if self.on and found.any():
-                with lock:
-                    self.reads.append(ids[found].copy())
-            return found, rows
+    def get_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        found, rows = self.inner.get_rows(table, ids)
+        if self.on and found.any():
+            with self._lock:
+                self.reads.append(ids[found].copy())
+        return found, rows
 
-        def put(writes: list[tuple[str, np.ndarray, np.ndarray]], *args: object, **kw: object) -> None:
-            put_rows(writes, *args, **kw)
-            if self.on:
-                with lock:
-                    self.commits.append([(t, ids.copy(), rows.shape[1]) for t, ids, rows in writes])
+    def put_rows(self, writes: Writes) -> None:
+        self.inner.put_rows(writes)
+        if self.on:
+            with self._lock:
+                self.commits.append([(t, ids.copy(), rows.shape[1]) for t, ids, rows in writes])
 
-        backend.get_rows, backend.put_rows = get, put
+    def delete_rows(self, table: str, ids: np.ndarray) -> None:
+        self.inner.delete_rows(table, ids)
+
+    def scan(self, table: str, *, after: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.scan(table, after=after, limit=limit)
+
+    def num_rows(self, table: str) -> int:
+        return self.inner.num_rows(table)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def snapshot(self, dest: Path) -> None:
+        self.inner.snapshot(dest)
+
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes()
+
+    def map_size_bytes(self) -> int:
+        return self.inner.map_size_bytes()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
-def lmdb_floor(capture: LmdbCapture, row_bytes: int, scratch: Path) -> tuple[int, int, int, int]:
+def lmdb_floor(capture: CapturingBackend, row_bytes: int, scratch: Path) -> tuple[int, int, int, int]:
     """Thread CPU ns of raw getmulti of every read key and of sorted putmulti(append=True) of every commit.
 
     Returns: (read ns, rows read, write ns, rows written).
