@@ -1,4 +1,4 @@
-"""Per-batch id traces of one store shard and the cache simulations over them (numpy only).
+"""Per-batch id traces of one store shard and the cache simulations over them.
 
 A :class:`Trace` is what one owner's store sees of one table: for every batch, in order, the distinct ids
 it makes resident, each with a *weight* — the number of ranks that sent the id (the store counts device
@@ -17,6 +17,7 @@ Shapes: ``ids`` (N,) int64 compact ids in ``[0, num_ids)``; ``offsets`` (B + 1,)
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from embedding_store import PolicyKind
 from embedding_store.hashing import mix64
+from recsys.tune.cache_sim import NO_USE, Future, SimulatedTier
 
 __all__ = [
     "BELADY",
@@ -182,7 +184,7 @@ def _next_use(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     return next_any, out
 
 
-BIG = 1 << 40
+BIG = NO_USE  # "no later use" in the next-use arrays
 
 
 @dataclass(frozen=True)
@@ -273,10 +275,11 @@ def simulate(
 
     Each batch pins its rows; a row used by one of the ``pinned_batches - 1`` training batches before
     it (an evaluation batch: the last ``trace.held_batches(pinned_batches)[b]``) is pinned too (still in
-    flight). Misses take free rows, else evict unpinned rows chosen by the
-    policy: LRU (oldest batch first), LFU (fewest batches since it entered, then LRU), LOOKAHEAD (rows
-    no batch of the next ``lookahead`` training batches uses first, LRU among them; then the furthest
-    next use), BELADY (furthest next use of any batch).
+    flight). Misses take free rows, else evict unpinned rows chosen by the store's own policy classes,
+    driven as the store's device tier drives them (:class:`recsys.tune.cache_sim.SimulatedTier`): LRU (oldest batch first), LFU (fewest batches since
+    it entered, then LRU), LOOKAHEAD (rows no batch of the next ``lookahead`` training batches uses
+    first, LRU among them; then the furthest next use; evaluation batches announce nothing), BELADY
+    (furthest next use of any batch); ties go to the lower position, as in the store.
 
     Raises:
         CapacityTooSmall: a batch does not fit beside the pinned rows.
@@ -284,70 +287,49 @@ def simulate(
     if capacity <= 0:
         raise CapacityTooSmall(f"capacity must be positive, got {capacity}")
     next_any, next_train = prepared if prepared is not None else _next_use(trace)
-    u = trace.num_ids
-    resident = np.zeros(u, dtype=bool)
-    last_use = np.zeros(u, dtype=np.int64)  # batch tick of the last use
-    last_train = np.full(u, -BIG, dtype=np.int64)  # training index of the last training use
-    count = np.zeros(u, dtype=np.int64)  # LFU: batches since the row entered
-    nxt = np.full(u, BIG, dtype=np.int64)  # next use (any batch / next training index)
-    buf = np.empty(capacity, dtype=np.int64)  # buf[:filled]: the resident ids, by position
-    pos_of = np.zeros(u, dtype=np.int64)  # position of each resident id in buf
-    filled = 0  # positions in use; evicted positions are refilled by the same batch
-    lazy = _LazyOrder() if policy in (PolicyKind.LRU, PolicyKind.LOOKAHEAD) else None
+    tier = SimulatedTier(trace.num_ids, capacity, None if policy is BELADY else policy)
+    # Per position, its row's next use: the batch (Belady), or the training index (LOOKAHEAD).
+    nxt = np.full(capacity, BIG, dtype=np.int64)
+    next_of = next_any if policy is BELADY else next_train
     held_of = trace.held_batches(pinned_batches)
+    in_flight: deque[np.ndarray] = deque(maxlen=max(0, pinned_batches - 1))  # positions of training batches
+    k = 0  # training index of the next training batch
+
+    def announced(candidates: np.ndarray) -> np.ndarray:
+        dist = nxt[candidates] - k  # training batches from the one being filled to the next use
+        return np.where((dist >= 1) & (dist <= lookahead), dist, -1)
+
+    def next_use(candidates: np.ndarray) -> np.ndarray:
+        return nxt[candidates]
+
     hits = requests = miss_rows = 0.0
     peak = 0
     per_batch: list[int] = []
-    k = 0  # training index of the next training batch
     for b in range(trace.num_batches):
         lo, hi = trace.offsets[b], trace.offsets[b + 1]
         ids = trace.ids[lo:hi]
         train = bool(trace.train[b])
-        hit = resident[ids]
-        new = ids[~hit]
+        held = int(held_of[b])
+        future: Future | None = next_use if policy is BELADY else None
+        if policy is PolicyKind.LOOKAHEAD and train and lookahead > 0:
+            future = announced
+        slots, hit, evicted = tier.fill(ids, list(in_flight)[len(in_flight) - held :] if held else [], future)
+        if evicted < 0:
+            raise CapacityTooSmall(
+                f"batch {b} needs {int((~hit).sum())} new rows, more than the free or evictable ones of "
+                f"{capacity} beside the rows of the batches in flight"
+            )
         if train:
             w = trace.weights[lo:hi]
             hits += float(w[hit].sum())
             requests += float(w.sum())
-            miss_rows += new.shape[0]
-            peak = max(peak, int(new.shape[0]))
-            per_batch.append(int(new.shape[0]))
-        need = filled + new.shape[0] - capacity
-        if need > 0:
-            last_use[ids] = BIG  # the batch's own rows are pinned
-            depth = lookahead if train and policy is PolicyKind.LOOKAHEAD else 0
-            floor = k - 1 - int(held_of[b])  # rows last used in training after this batch are pinned
-            victims = None
-            if lazy is not None:
-                victims = lazy.take(need, buf[:filled], last_use, last_train, nxt, resident, k, floor, depth)
-            if victims is None:
-                res = buf[:filled]
-                pinned = last_train[res] > floor
-                pinned |= last_use[res] == BIG
-                cand = res[~pinned]
-                if need > cand.shape[0]:
-                    raise CapacityTooSmall(
-                        f"batch {b} needs {new.shape[0]} new rows, only {capacity - filled + cand.shape[0]} "
-                        f"free or evictable of {capacity}"
-                    )
-                key = _key(policy, cand, last_use, count, nxt, k, depth)
-                victims = cand if need == cand.shape[0] else cand[np.argpartition(key, need - 1)[:need]]
-            resident[victims] = False
-            slots = np.concatenate([pos_of[victims], np.arange(filled, capacity, dtype=np.int64)])
-            filled = capacity
-        else:
-            slots = np.arange(filled, filled + new.shape[0], dtype=np.int64)
-            filled += new.shape[0]
-        resident[new] = True
-        buf[slots] = new
-        pos_of[new] = slots
-        last_use[ids] = b + 1
-        count[new] = 0
-        count[ids] += 1
-        if train:
-            last_train[ids] = k
+            filled = int(ids.shape[0] - np.count_nonzero(hit))
+            miss_rows += filled
+            peak = max(peak, filled)
+            per_batch.append(filled)
+            in_flight.append(slots)
             k += 1
-        nxt[ids] = (next_any if policy is BELADY else next_train)[lo:hi]
+        nxt[slots] = next_of[lo:hi]
     return SimResult(
         hits=hits,
         requests=requests,
@@ -356,94 +338,6 @@ def simulate(
         peak_miss_rows=peak,
         batch_miss_rows=np.array(per_batch, dtype=np.int64),
     )
-
-
-_TICK = 1 << 40
-
-
-class _LazyOrder:
-    """Victims of LRU and LOOKAHEAD from a sorted list of the resident rows, refreshed only when used up.
-
-    Under both policies a row's key only grows when it is used and new rows arrive youngest, so an entry
-    whose key is unchanged since the sort is still in LRU order; used, evicted and (LOOKAHEAD) announced
-    rows are skipped. The list leaves out pinned rows (the youngest); when too few rows
-    qualify, the caller falls back to a full scan.
-    """
-
-    def __init__(self) -> None:
-        self.order = np.empty(0, dtype=np.int64)
-        self.keys = np.empty(0, dtype=np.int64)
-        self.ptr = 0
-        self.floor = -BIG  # rows last used in training after this batch were left out of the list
-
-    def take(  # noqa: PLR0913 - the simulation's state, passed in rather than copied
-        self,
-        need: int,
-        res: np.ndarray,
-        last_use: np.ndarray,
-        last_train: np.ndarray,
-        nxt: np.ndarray,
-        resident: np.ndarray,
-        k: int,
-        floor: int,
-        depth: int,
-    ) -> np.ndarray | None:
-        """``need`` victims, or None when the caller must scan every row; rows last used in training
-        after batch ``floor`` are pinned."""
-        got: list[np.ndarray] = []
-        total = 0
-        rebuilt = False
-        if floor < self.floor:  # rows listed as unpinned may be pinned now: list them again
-            self.ptr = self.order.shape[0]
-        while total < need:
-            if self.ptr >= self.order.shape[0]:
-                if rebuilt:
-                    for part in got:  # not evicted after all: the caller scans every row
-                        resident[part] = True
-                    return None
-                # Pinned rows are the youngest: leave them out (used again, they would be skipped anyway).
-                keys = last_use[res]
-                free = (last_train[res] <= floor) & (keys != BIG)
-                rows, keys = res[free], keys[free]
-                o = np.argsort(keys, kind="stable")
-                self.order, self.keys, self.ptr, self.floor = rows[o], keys[o], 0, floor
-                rebuilt = True
-            end = min(self.order.shape[0], self.ptr + max(2 * (need - total), 512))
-            chunk = self.order[self.ptr : end]
-            valid = resident[chunk] & (last_use[chunk] == self.keys[self.ptr : end])
-            ok = valid
-            if depth:
-                dist = nxt[chunk] - k
-                ok = valid & ~((dist >= 1) & (dist <= depth))
-            idx = np.flatnonzero(ok)[: need - total]
-            got.append(chunk[idx])
-            resident[chunk[idx]] = False  # taken (a rebuilt list must not offer them again)
-            total += idx.shape[0]
-            self.ptr = self.ptr + int(idx[-1]) + 1 if total >= need else end
-        return np.concatenate(got)
-
-
-def _key(
-    policy: SimPolicy,
-    cand: np.ndarray,
-    last_use: np.ndarray,
-    count: np.ndarray,
-    nxt: np.ndarray,
-    k: int,
-    lookahead: int,
-) -> np.ndarray:
-    """Eviction order of the candidates: smaller goes first (the store's sort keys)."""
-    if policy is PolicyKind.LRU:
-        return last_use[cand]
-    if policy is PolicyKind.LFU:
-        return np.minimum(count[cand], (1 << 22) - 1) * _TICK + last_use[cand]
-    if policy is BELADY:
-        return -nxt[cand]
-    dist = nxt[cand] - k  # training batches from the one being filled to the next use
-    needed = (dist >= 1) & (dist <= lookahead)
-    far = (1 << 20) - 1
-    rank = (far - np.minimum(dist, far)) * _TICK
-    return np.where(needed, last_use[cand] + rank + (1 << 61), last_use[cand])
 
 
 def prepare(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
