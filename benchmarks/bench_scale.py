@@ -53,6 +53,7 @@ from recsys.config import config_from_dict
 from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
 from recsys.distributed import free_port, init_distributed
 from recsys.routing import values_by_feature
+from recsys.sharding import local_shards
 from recsys.tiered import RoutedBatch, TieredTables
 from recsys.trainer import Trainer
 
@@ -126,6 +127,13 @@ def recording_tables(
         specs: list[Any]
         _pending: dict[int, list[tuple[str, np.ndarray, torch.Tensor]]]
 
+        def __init__(self, dmp: Any, tables: list[Any], *, plan: Any) -> None:
+            super().__init__(dmp, tables, plan=plan)
+            # This rank's slot tables (aliases of the live weights and optimizer state), found as the
+            # binding finds them, through recsys.sharding's public local_shards.
+            mine = [t for t in tables if t.name in self.names]
+            self.slot_tables = {s.table: s for s in local_shards(dmp, mine)}
+
         def fill(self, routed: RoutedBatch) -> Any:
             out = super().fill(routed)
             ids, slots = values_by_feature(routed.batch.sparse), values_by_feature(out.sparse)
@@ -142,7 +150,7 @@ def recording_tables(
 
         def release(self, batch_id: int) -> None:
             for name, ids, slots in getattr(self, "_pending", {}).pop(batch_id, []):
-                shard = self._shards[name]
+                shard = self.slot_tables[name]
                 weights = shard.weight.data[slots]
                 state = shard.state.data.reshape(shard.weight.shape[0], -1)[slots]
                 rows = torch.cat([weights, state], dim=1).numpy()
