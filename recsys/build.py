@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from pipelines import StagedPipeline
 from recsys.capacities import Capacities, mismatch_warning
+from recsys.capacity_advice import SlotsAdvice
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.data.source import Dataset, build_dataset
@@ -60,11 +61,15 @@ class TrainSpec:
         feed: builds the nested pipeline that feeds tiered tables; called as
             :func:`~recsys.tiered.tiered_feed` is.
         progress: builds the progress bar of a fit; called as :func:`progress_bar` is.
+        capacity_advice: the device slots a run needed, for the error of a device tier too small
+            (:class:`~recsys.capacity_advice.SlotsAdvice`); ``recsys train`` passes the tuner's replay
+            (:func:`recsys.capacity_replay.replay_advice`). None: the error gives the store's own figure.
     """
 
     tables: Callable[..., TieredTables] = TieredTables
     feed: Callable[..., StagedPipeline] = tiered_feed
     progress: Callable[..., Any] = progress_bar
+    capacity_advice: SlotsAdvice | None = None
 
 
 @dataclass(kw_only=True)

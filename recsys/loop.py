@@ -1,5 +1,7 @@
 """The training loop: steps through TorchRec's pipeline, logs, evaluates, checkpoints and stops.
 
+The loop advances the run's progress (:class:`~recsys.train_state.TrainState`: the step, the last
+checkpoint, the evaluation record, the pipeline's statistics); the trainer's other parts it only calls.
 :class:`TrainLoop` takes its collaborators as arguments — where the batches come from (``feed``), what
 shows progress (``progress``) and where metrics go (``metrics``) — so that a benchmark or a test passes
 its own instead of patching modules.
@@ -20,6 +22,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from embedding_store import StoreCapacityError, StoreFullError
 from embedding_store.memory import release_free_heap
 from pipelines import StagedPipeline, StageFailed
+from recsys.capacity_advice import too_few_slots
 from recsys.data.batch import Batch
 from recsys.errors import UserError
 from recsys.lifetime import RunStopped
@@ -64,7 +67,8 @@ class TrainLoop:
     """One fit of a trainer from its current step to ``train.steps``.
 
     Args:
-        trainer: the parts being trained (model, tiers, checkpoints, evaluation).
+        trainer: the parts being trained (model, tiers, checkpoints, evaluation); its ``state`` is the
+            progress this loop advances.
         feed: ``feed(start, stop)`` -> the batches of steps [start, stop), and the nested pipeline that
             produces them when the tables are tiered (None otherwise).
         progress: builds the progress bar (``total``, ``initial``, ``enabled``) whose ``write`` prints a line.
@@ -75,6 +79,7 @@ class TrainLoop:
         self, trainer: Trainer, *, feed: Feed, progress: Callable[..., Any], metrics: MetricsSink
     ) -> None:
         self.trainer = trainer
+        self.state = trainer.state
         self.feed = feed
         self.progress = progress
         self.metrics = metrics
@@ -85,8 +90,8 @@ class TrainLoop:
         t = self.trainer
         steps = t.config.train.steps
         pipeline = TrainPipelineSparseDist(t.dmp, t.optimizer, t.env.device, execute_all_batches=True)
-        batches, feed = self.feed(t.step, steps)
-        bar = self.progress(total=steps, initial=t.step, enabled=t.env.is_main)
+        batches, feed = self.feed(self.state.step, steps)
+        bar = self.progress(total=steps, initial=self.state.step, enabled=t.env.is_main)
         user_error: UserError | None = None
         try:
             return self._steps(pipeline, batches, feed, bar)
@@ -95,7 +100,7 @@ class TrainLoop:
             if isinstance(cause, StoreFullError):
                 raise UserError(f"{cause}; raise store.max_lmdb_bytes or free disk space") from err
             if isinstance(cause, StoreCapacityError):
-                raise UserError(t.too_few_slots(cause)) from err
+                raise UserError(self._too_few_slots(cause)) from err
             if not (isinstance(err, StageFailed) and isinstance(cause, UserError)):
                 raise
             user_error = _raised_in_stage(cause, err)
@@ -106,12 +111,23 @@ class TrainLoop:
                 if t.env.is_main and t.config.pipeline.trace_batches:
                     with writing(t.out_dir / "trace.json"):
                         feed.write_trace(t.out_dir / "trace.json")
-                t.pipeline_stats = feed.stats()
+                self.state.pipeline_stats = feed.stats()
         # A stage's UserError (a malformed line met by the load stage, ...) goes on as itself, as it would
         # without the pipeline: the CLI prints its one line (exit 2). Raised outside the handler, so that
         # its own __cause__ and __context__ stay as they were; the stage is named in a note of its traceback.
         assert user_error is not None
         raise user_error
+
+    def _too_few_slots(self, cause: StoreCapacityError) -> str:
+        """The device-tier error, with the trainer's capacity advice (``TrainSpec.capacity_advice``)."""
+        t = self.trainer
+        advice, needed = t.spec.capacity_advice, None
+        if advice is not None:
+            try:
+                needed = advice(t.config, step=self.state.step, world_size=t.env.world_size)
+            except Exception as err:  # noqa: BLE001 - the capacity error is the one to report
+                log.debug("advice on the device slots needed: %s", err)
+        return too_few_slots(cause, config=t.config, capacities=t.capacities, needed=needed)
 
     # -- one log window -----------------------------------------------------------------------------
 
@@ -133,14 +149,14 @@ class TrainLoop:
             log.warning(message)
 
     def _log(self, loss: float, steps: int, seconds: float, feed: StagedPipeline | None, bar: Any) -> None:
-        t = self.trainer
+        t, state = self.trainer, self.state
         tcfg = t.config.train
         mean_loss = self._mean(loss / steps)
         rate = steps * tcfg.batch_size / max(1e-9, seconds)
         postfix = {"loss": f"{mean_loss:.4f}", "samples_per_s": f"{rate:,.0f}"}
         extra: dict[str, Any] = {}
         if t.tier_metrics is not None and feed is not None:
-            tiers, thrash = t.tier_metrics.window(warm=t.step > 2 * tcfg.log_every, steps=tcfg.log_every)
+            tiers, thrash = t.tier_metrics.window(warm=state.step > 2 * tcfg.log_every, steps=tcfg.log_every)
             stats = feed.stats()
             extra = {"tiers": tiers, "pipeline": {"bound_by": stats.get("bound_by")}}
             postfix.update(hit=f"{tiers['device_hit_rate']:.3f}", bound=str(stats.get("bound_by")))
@@ -149,42 +165,50 @@ class TrainLoop:
                 self._warn(message, bar)
         bar.set_postfix(postfix)
         with writing(self.metrics.path):
-            self.metrics.write(kind="train", step=t.step, loss=mean_loss, samples_per_s=rate, **extra)
+            self.metrics.write(kind="train", step=state.step, loss=mean_loss, samples_per_s=rate, **extra)
 
     # -- evaluation ---------------------------------------------------------------------------------
 
     def evaluation(self, pipeline: TrainPipelineSparseDist, bar: Any) -> Evaluation:
         """Evaluate, log beside the constant baseline, and keep the checkpoint of a new best (collective)."""
-        t = self.trainer
-        auc, logloss = t.evaluate(pipeline)
-        e = Evaluation(step=t.step, auc=None if math.isnan(auc) else auc, logloss=logloss)
+        t, state = self.trainer, self.state
+        scores = t.evaluator.evaluate(pipeline)
+        state.held_out = scores.held_out  # the baseline's held-out split, and the checkpoints'
+        auc, logloss = scores.auc, scores.logloss
+        e = Evaluation(step=state.step, auc=None if math.isnan(auc) else auc, logloss=logloss)
         baseline = t.baseline()["constant_logloss"]
-        keep = bool(t.config.eval.every) and t.selection.improves(e)
+        keep = bool(t.config.eval.every) and state.selection.improves(e)
         if keep:
             path = t.save(best=True)
             e = Evaluation(step=e.step, auc=e.auc, logloss=e.logloss, digest=t.digest(checkpoint=path))
-        t.selection.update(e)
+        state.selection.update(e)
         with writing(self.metrics.path):
             self.metrics.write(
-                kind="eval", step=t.step, auc=auc, logloss=logloss, constant_logloss=baseline, best=keep
+                kind="eval", step=state.step, auc=auc, logloss=logloss, constant_logloss=baseline, best=keep
             )
         if t.env.is_main:
             shown = "n/a" if e.auc is None else f"{e.auc:.4f}"
             versus = "" if baseline is None else f" (constant predictor {baseline:.4f})"
             bar.write(
-                f"step {t.step}: eval auc {shown} logloss {logloss:.4f}{versus}" + (" best" if keep else "")
+                f"step {state.step}: eval auc {shown} logloss {logloss:.4f}{versus}"
+                + (" best" if keep else "")
             )
         return e
 
     # -- the steps ----------------------------------------------------------------------------------
 
+    def _checkpoint(self) -> None:
+        """Checkpoint under ``checkpoints/`` (collective) and remember its step."""
+        self.trainer.save()
+        self.state.saved_step = self.state.step
+
     def _stop(self, signum: int) -> None:
         """After SIGTERM/SIGINT (agreed by every rank in the step's check): checkpoint, then stop. Called
         once the step's metrics row is written, so a resume from this checkpoint misses no row."""
-        t = self.trainer
-        if t.saved_step != t.step:
-            t.save()
-        raise RunStopped(signum, t.step)
+        state = self.state
+        if state.saved_step != state.step:
+            self._checkpoint()
+        raise RunStopped(signum, state.step)
 
     def _steps(
         self,
@@ -193,7 +217,7 @@ class TrainLoop:
         feed: StagedPipeline | None,
         bar: Any,
     ) -> dict[str, Any]:
-        t = self.trainer
+        t, state = self.trainer, self.state
         cfg = t.config
         tcfg = cfg.train
         train_time = 0.0
@@ -202,40 +226,40 @@ class TrainLoop:
         last_trim = time.monotonic()
         result: dict[str, Any] = {"stopped_early": False}
         last: Evaluation | None = None
-        while t.step < tcfg.steps:
+        while state.step < tcfg.steps:
             t0 = time.perf_counter()
             loss, _, _ = pipeline.progress(batches)
             if t.tiered is not None:
-                t.tiered.release(t.step)  # its backward and optimizer step are done
-            t.step += 1
+                t.tiered.release(state.step)  # its backward and optimizer step are done
+            state.step += 1
             trained_samples += tcfg.batch_size
             loss_value = float(loss)
-            signum = t.health.check(loss_value, step=t.step)  # raises on a non-finite value
-            if t.step % tcfg.log_every == 0 and time.monotonic() - last_trim >= TRIM_EVERY_S:
+            signum = t.health.check(loss_value, step=state.step)  # raises on a non-finite value
+            if state.step % tcfg.log_every == 0 and time.monotonic() - last_trim >= TRIM_EVERY_S:
                 release_free_heap()  # the steps' freed arrays, kept in malloc's heap (embedding_store.memory)
                 last_trim = time.monotonic()
             train_time += time.perf_counter() - t0  # the checks are part of every step
             window_loss += loss_value
             window_steps += 1
             bar.update(1)
-            if t.step % tcfg.log_every == 0 or t.step == tcfg.steps:
+            if state.step % tcfg.log_every == 0 or state.step == tcfg.steps:
                 self._log(window_loss, window_steps, time.perf_counter() - window_start, feed, bar)
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
             if signum:
                 self._stop(signum)
             stop_early = False
-            if cfg.eval.every and t.step % cfg.eval.every == 0 and t.step < tcfg.steps:
+            if cfg.eval.every and state.step % cfg.eval.every == 0 and state.step < tcfg.steps:
                 last = self.evaluation(pipeline, bar)
-                stop_early = t.selection.exhausted
+                stop_early = state.selection.exhausted
                 window_start = time.perf_counter()
-            if tcfg.checkpoint_every and t.step % tcfg.checkpoint_every == 0 and t.step < tcfg.steps:
-                t.save()
+            if tcfg.checkpoint_every and state.step % tcfg.checkpoint_every == 0 and state.step < tcfg.steps:
+                self._checkpoint()
                 window_start = time.perf_counter()
             if stop_early:
-                assert t.selection.best is not None
+                assert state.selection.best is not None
                 message = (
-                    f"stopping early at step {t.step}: {cfg.eval.patience} evaluation(s) without a better "
-                    f"held-out {cfg.eval.select} than step {t.selection.best.step}'s"
+                    f"stopping early at step {state.step}: {cfg.eval.patience} evaluation(s) without a better "
+                    f"held-out {cfg.eval.select} than step {state.selection.best.step}'s"
                 )
                 if t.env.is_main:
                     bar.write(message)
@@ -245,16 +269,16 @@ class TrainLoop:
         bar.close()
         if t.tier_metrics is not None:
             t.tier_metrics.training_done()
-        if not result.get("stopped_early") or last is None or last.step != t.step:
+        if not result.get("stopped_early") or last is None or last.step != state.step:
             # Drain the pipeline's prefetched batches (none remain: the iterator stops at train.steps).
             last = self.evaluation(pipeline, bar)
-        if tcfg.final_checkpoint and t.saved_step != t.step:
-            t.save()
+        if tcfg.final_checkpoint and state.saved_step != state.step:
+            self._checkpoint()
         result.update(
             auc=last.auc,
             logloss=last.logloss,
-            steps=t.step,
-            samples=t.step * tcfg.batch_size,  # the whole run's, resumed parts included
+            steps=state.step,
+            samples=state.step * tcfg.batch_size,  # the whole run's, resumed parts included
             samples_this_process=trained_samples,
             samples_per_s=trained_samples / train_time if train_time else math.nan,
             train_seconds=train_time,

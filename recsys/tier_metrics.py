@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from recsys.capacities import Capacities, mismatch_warning
-from recsys.tiered import TieredTables
+from recsys.tier_counters import COUNTERS, TierCounters
 
 __all__ = ["COUNTERS", "PREDICTION_TOLERANCE", "THRASH_HIT_RATE", "TierMetrics", "rates_of"]
 
@@ -28,7 +28,6 @@ __all__ = ["COUNTERS", "PREDICTION_TOLERANCE", "THRASH_HIT_RATE", "TierMetrics",
 THRASH_HIT_RATE = 0.5
 # Measured hit rates this far below the predicted ones get a warning.
 PREDICTION_TOLERANCE = 0.02
-COUNTERS = TieredTables.COUNTERS
 
 
 def rates_of(c: Mapping[str, float]) -> dict[str, float]:
@@ -57,13 +56,13 @@ class TierMetrics:
     """The store counters of one rank's tiered tables, turned into rates and warnings.
 
     Args:
-        tables: this rank's tier binding.
+        counters: the counters of this rank's store shard (``TieredTables.tallies``).
         capacities: the slots and host rows each table was given (and tune.json's predictions).
         world_size: ranks of the run (the rates are over all of them).
     """
 
-    def __init__(self, tables: TieredTables, *, capacities: Capacities, world_size: int) -> None:
-        self.tables = tables
+    def __init__(self, counters: TierCounters, *, capacities: Capacities, world_size: int) -> None:
+        self.counters = counters
         self.capacities = capacities
         self.world_size = world_size
         self._window_start: dict[str, torch.Tensor] = {}
@@ -86,10 +85,10 @@ class TierMetrics:
     # -- evaluation batches are not training batches ----------------------------------------------
 
     def evaluation_started(self) -> None:
-        self._eval_start = self.tables.counters()
+        self._eval_start = self.counters.counters()
 
     def evaluation_done(self) -> None:
-        for name, value in self.tables.counters().items():
+        for name, value in self.counters.counters().items():
             delta = value - self._eval_start.get(name, torch.zeros_like(value))
             self._eval[name] = self._eval.get(name, torch.zeros_like(value)) + delta
 
@@ -97,7 +96,7 @@ class TierMetrics:
         """Keep the training batches' counters (evaluations excluded) for :meth:`over_training`."""
         self._train = {
             name: value - self._eval.get(name, torch.zeros_like(value))
-            for name, value in self.tables.counters().items()
+            for name, value in self.counters.counters().items()
         }
 
     # -- what the log shows -------------------------------------------------------------------------
@@ -105,7 +104,7 @@ class TierMetrics:
     def window(self, *, warm: bool, steps: int) -> tuple[dict[str, float], str | None]:
         """Rates over all ranks since the previous call, and a warning naming the worst thrashing table
         (only once the cache is ``warm``) over the last ``steps`` steps (collective)."""
-        now = self.tables.counters()
+        now = self.counters.counters()
         deltas = {n: v - self._window_start.get(n, torch.zeros_like(v)) for n, v in now.items()}
         self._window_start = now
         total = self._sum(sum(deltas.values(), _zeros()))
@@ -132,7 +131,7 @@ class TierMetrics:
     def store_stats(self) -> dict[str, dict[str, dict[str, float]]]:
         """Per tiered table and tier, the store's counters summed over ranks (collective)."""
         total: dict[str, dict[str, dict[str, float]]] = {}
-        for part in self._gather(self.tables.stats()):
+        for part in self._gather(self.counters.stats()):
             for table, tiers in part.items():
                 for tier, counters in tiers.items():
                     slot = total.setdefault(table, {}).setdefault(tier, {})
@@ -147,7 +146,7 @@ class TierMetrics:
         sized it); the tables whose capacities are not those tune.json predicted its hit rates for (None
         without a tune); a warning for each of them (collective)."""
         ran: dict[str, dict[str, int]] = {}
-        for part in self._gather(self.tables.capacity_rows):
+        for part in self._gather(self.counters.capacity_rows):
             for name, rows in part.items():
                 slot = ran.setdefault(name, {"device_rows": 0, "host_rows": 0, "owners": 0})
                 slot["device_rows"] = max(slot["device_rows"], rows["device_rows"])

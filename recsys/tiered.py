@@ -15,13 +15,14 @@ row-wise: ``device_rows`` slots on every rank). Before TorchRec sees a batch its
    sends each lookup back to its owner — and the rank rewrites its KJT values.
 
 After the batch's backward the owner releases its pins (:meth:`release`). Rows keep their optimizer
-state in the store, so training is bitwise identical to the untiered model. The store's directory, its
-lock and its restores belong to :class:`embedding_store.ShardDirectory`.
+state in the store, so training is bitwise identical to the untiered model. The store's lifecycle (its
+directory, lock, restores and close) is :class:`recsys.tier_shard.TierShard`'s, over
+:class:`embedding_store.ShardDirectory`; its counters are :class:`recsys.tier_counters.TierCounters`'.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,25 +36,22 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from embedding_store import (
     LmdbOptions,
     OptimizerKind,
-    ShardDirectory,
     StoreConfig,
-    StoreLockedError,
     TableSpec,
-    Tier,
     TieredStore,
     num_embeddings_for,
-    snapshot_chunks,
 )
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
 from recsys.capacities import Capacities
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.distributed import collective_timeout
-from recsys.errors import UserError
 from recsys.pipeline_config import PipelineSection
 from recsys.routing import DistExchange, Exchange, Ownership, RoutedIds, Router, values_by_feature
 from recsys.sharding import local_shards
 from recsys.sparse import ShardingKind, SparseConfig
+from recsys.tier_counters import COUNTERS, TierCounters
+from recsys.tier_shard import Rows, TierShard, claim_shard
 
 __all__ = ["TierPlan", "TieredTables", "RoutedBatch", "row_bytes", "tiered_feed"]
 
@@ -142,13 +140,24 @@ class TierPlan:
 
 
 class TieredTables:
-    """The tiered tables of one rank: its store, its slot shards and the key routing.
+    """The tiered tables of one rank: the stages that bind its store to the pipeline.
+
+    Three parts, each complete once constructed: the store shard's lifecycle (:attr:`shard`, a
+    :class:`~recsys.tier_shard.TierShard`: open fresh, from a snapshot or re-partitioned, close), the
+    stage binding (this class: which ids a batch routes where, and the store calls of each pipeline
+    stage) and the counters (:attr:`tallies`, a :class:`~recsys.tier_counters.TierCounters`, which
+    :class:`~recsys.tier_metrics.TierMetrics` turns into hit rates).
 
     Args:
         dmp: the sharded model; the local shards of the tiered slot tables are bound to the store.
         tables: every table config of the model (tiered ones have ``num_embeddings`` = slot capacity).
         plan: the tiered tables, their tiers' sizes and the store's settings.
+
+    Raises:
+        UserError: another process holds a rank's shard of the store (every rank raises it).
     """
+
+    COUNTERS = COUNTERS
 
     def __init__(
         self, dmp: DistributedModelParallel, tables: list[EmbeddingBagConfig], *, plan: TierPlan
@@ -176,97 +185,59 @@ class TieredTables:
             groups = (dist.new_group(backend="gloo", timeout=collective_timeout()) for _ in range(3))
             route_pg, fill_pg, eval_pg = (DistExchange(g) for g in groups)
             self._exchanges = {TRAIN: (route_pg, fill_pg), EVAL: (eval_pg, eval_pg)}
-        self.path = plan.path / f"rank_{self.rank}"
-        self.store: TieredStore | None = None
-        self._shard = self._claim_shard(plan.path, world)
-        # What this rank's part of each table runs with: its slot shard's rows and its host rows.
-        self.capacity_rows: dict[str, dict[str, int]] = {}
-        if shards:
-            specs = [
-                TableSpec(
-                    name=name,
-                    dim=configs[name].embedding_dim,
-                    optimizer=plan.optimizer,
-                    init_scale=plan.init_scale,
-                    num_embeddings=num_embeddings_for(tiered[name]),
-                    device_capacity_rows=shards[name].weight.shape[0],
-                    host_capacity_rows=plan.capacities.host_rows[self.feature[name]],
-                )
-                for name in sorted(shards)
-            ]
-            self._store_args = dict(config=plan.store, tables=specs)
-            self.capacity_rows = {
-                name: {
-                    "device_rows": int(shards[name].weight.shape[0]),
-                    "host_rows": plan.capacities.host_rows[self.feature[name]],
-                }
-                for name in sorted(shards)
-            }
-            self._shards = shards
-        self.lookahead = plan.store.lookahead_batches  # batches the routing stage runs ahead
-
-    # -- lifetime ---------------------------------------------------------------------------------
-
-    def _claim_shard(self, root: Path, world: Exchange) -> ShardDirectory:
-        """Claim ``root/rank_r`` (its lock) before anything touches it (collective).
-
-        ``open`` replaces the rank's store directory, so a second job pointed at a store in use must be
-        refused before that: every rank claims its shard and all of them fail with the first refusal.
-        """
-        shard: ShardDirectory | None = None
-        refusal = None
-        try:
-            shard = ShardDirectory(self.path)
-        except StoreLockedError as err:
-            refusal = (
-                f"store {self.path} is in use by process {err.holder} (another training run?); "
-                "stop it or set store.path to another directory"
+        specs = [
+            TableSpec(
+                name=name,
+                dim=configs[name].embedding_dim,
+                optimizer=plan.optimizer,
+                init_scale=plan.init_scale,
+                num_embeddings=num_embeddings_for(tiered[name]),
+                device_capacity_rows=shards[name].weight.shape[0],
+                host_capacity_rows=plan.capacities.host_rows[self.feature[name]],
             )
-        except OSError as err:
-            refusal = f"cannot create store directory {root}: {err.strerror}"
-        refusals = [refusal] if self.world_size == 1 else world.all_gather(refusal)
-        first = next((r for r in refusals if r is not None), None)
-        if first is not None:
-            if shard is not None:
-                shard.close()
-            raise UserError(first)
-        assert shard is not None
-        return shard
-
-    def open(self, *, snapshot: Path | None = None, reshard_from: list[Path] | None = None) -> None:
-        """Open this rank's store: empty for a fresh run, restored from this rank's ``snapshot`` in a
-        checkpoint, or (``reshard_from``: every snapshot of a checkpoint written by another number of
-        ranks) rebuilt from the rows this rank owns now, streamed in chunks."""
-        if not hasattr(self, "_store_args"):
-            return
-        if snapshot is not None:
-            self.store = self._shard.open_snapshot(snapshot, **self._store_args)
-        elif reshard_from is not None:
-            self.store = self._shard.open_resharded(reshard_from, keep=self._owns, **self._store_args)
-        else:
-            self.store = self._shard.open_fresh(**self._store_args)
-        for name, shard in self._shards.items():
-            # `.data`: the fill stage writes slots of later batches while autograd holds the table for the
-            # current batch's backward. Those rows are disjoint from the current batch's (pins), so the
-            # writes must not bump the version counter that autograd checks.
-            state = None if shard.state is None else shard.state.data
-            self.store.bind(name, weights=shard.weight.data, state=state)
+            for name in sorted(shards)
+        ]
+        self.lookahead = plan.store.lookahead_batches  # batches the routing stage runs ahead
+        # Last: nothing after the claim (collective) can fail, so no path leaves the lock held.
+        directory = claim_shard(plan.path / f"rank_{self.rank}", exchange=world, world_size=self.world_size)
+        self.shard = TierShard(directory, config=plan.store, tables=specs, slots=shards, owns=self._owns)
+        self.tallies = TierCounters(self.shard)
 
     def _owns(self, name: str, ids: np.ndarray) -> np.ndarray:
         """(n,) bool: which ids of table ``name`` this rank owns now."""
         return self.ownership.owns(name, ids, self.rank)
 
+    # -- the shard's lifecycle and counters (entry points of :attr:`shard` and :attr:`tallies`) ---
+
+    @property
+    def store(self) -> TieredStore | None:
+        """This rank's open store (None while closed, or when the rank holds no tiered table)."""
+        return self.shard.store
+
+    @property
+    def path(self) -> Path:
+        """This rank's store directory (``<store.path>/rank_r``)."""
+        return self.shard.path
+
+    def open(self, *, snapshot: Path | None = None, reshard_from: list[Path] | None = None) -> None:
+        """Open this rank's store (:meth:`TierShard.open <recsys.tier_shard.TierShard.open>`)."""
+        self.shard.open(snapshot=snapshot, reshard_from=reshard_from)
+
     def close(self, *, flush: bool = True) -> None:
         """Close the store (flushing it, unless ``flush=False`` after a failure) and release the lock."""
-        self.store = None
-        self._shard.close(flush=flush)
+        self.shard.close(flush=flush)
 
     def snapshot(self, dest: Path) -> list[Path]:
         """Flush and copy this rank's store into ``dest`` (part of a checkpoint); returns what it wrote."""
-        if self.store is None:
-            return []
-        self.store.snapshot(dest)
-        return [dest]
+        return self.shard.snapshot(dest)
+
+    def local_rows(self, name: str) -> Rows:
+        """Every row of ``name`` this rank's store holds, ascending ids, in bounded chunks."""
+        return self.shard.local_rows(name)
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        """Per owned table, the monotonic counters named by ``COUNTERS`` as a float64 vector."""
+        return self.tallies.counters()
 
     # -- the stages of one batch ------------------------------------------------------------------
 
@@ -321,69 +292,6 @@ class TieredTables:
         self.announce(routed)
         self.prefetch(routed)
         return self.fill(routed)
-
-    # -- read-through -----------------------------------------------------------------------------
-
-    def local_rows(self, name: str) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """Every row of ``name`` this rank's store holds, ascending ids, in bounded chunks."""
-        if self.store is None or name not in self.row_offset:
-            return
-        for chunk in self.store.iter_rows(name):
-            yield chunk.ids, chunk.weights, chunk.state
-
-    def snapshot_rows(
-        self, name: str, snapshot: Path
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """Every row of ``name`` in this rank's store ``snapshot`` (of a checkpoint), as :meth:`local_rows`."""
-        if not hasattr(self, "_store_args") or name not in self.row_offset:
-            return
-        spec = next(t for t in self._store_args["tables"] if t.name == name)
-        seed = self._store_args["config"].seed
-        for chunk in snapshot_chunks(snapshot, spec, seed=seed):
-            yield chunk.ids, chunk.weights, chunk.state
-
-    # Counter vector per table: device hits/misses (id occurrences), host hits/misses, LMDB rows read,
-    # rows first initialised, rows written to LMDB, device evictions.
-    COUNTERS = (
-        "device_hits", "device_misses", "host_hits", "host_misses",
-        "ssd_rows_read", "rows_initialised", "ssd_rows_written", "device_evictions", "device_rows_in",
-    )  # fmt: skip
-
-    def counters(self) -> dict[str, torch.Tensor]:
-        """Per owned table, the monotonic counters named by ``COUNTERS`` as a float64 vector."""
-        if self.store is None:
-            return {}
-        out = {}
-        for name, tiers in self.store.counters().items():  # polled while stages run: no lock wait
-            dev, host, ssd = (tiers[t] for t in (Tier.DEVICE, Tier.HOST, Tier.SSD))
-            values = [
-                dev.hits,
-                dev.misses,
-                host.hits,
-                host.misses,
-                ssd.hits,
-                ssd.misses,
-                ssd.rows_in,
-                dev.evictions,
-                dev.rows_in,
-            ]
-            out[name] = torch.tensor(values, dtype=torch.float64)
-        return out
-
-    def stats(self) -> dict[str, dict[str, object]]:
-        """Per table and tier counters of this rank's store (JSON-ready)."""
-        if self.store is None:
-            return {}
-        raw = self.store.stats()
-        return {
-            name: {tier.value: _stats_dict(s) for tier, s in tiers.items()}
-            for name, tiers in raw.tables.items()
-        }
-
-
-def _stats_dict(stats: object) -> dict[str, object]:
-    fields = getattr(stats, "__dataclass_fields__", {})
-    return {k: getattr(stats, k) for k in fields}
 
 
 def tiered_feed(

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from embedding_store import StoreFullError
+from recsys.build import TrainSpec
+from recsys.capacity_replay import replay_advice
 from recsys.config import RunConfig, config_to_dict
 from recsys.distributed import DistEnv, init_distributed, launched_by_torchrun
 from recsys.errors import UserError, no_space_left
@@ -97,7 +99,7 @@ def _summary(trainer: Trainer, fit: dict[str, Any], *, started: float, resumed: 
         warnings.append(message)
         if env.is_main:
             log.warning(message)
-    best = trainer.selection.best
+    best = trainer.state.selection.best
     summary.update(
         last={"step": trainer.step, "auc": summary["auc"], "logloss": summary["logloss"], "digest": digest},
         best=None
@@ -145,8 +147,8 @@ def run(
     try:
         with _lock_run_dir(out_dir, env) if lock_run else contextlib.nullcontext(), stop_signal.catching():
             started = time.perf_counter()
-            trainer = Trainer(config, env, out_dir=out_dir)
-            trainer.allow_config_change = allow_config_change
+            # The tuner's replay words a device tier too small (training itself imports no tuner).
+            trainer = Trainer(config, env, out_dir=out_dir, spec=TrainSpec(capacity_advice=replay_advice))
             if env.is_main:
                 log.info(
                     "%s on %d rank(s) [%s, %s], %d tables, %s sharding, %s",
@@ -162,7 +164,7 @@ def run(
                 _start_fresh(out_dir)
             if env.world_size > 1:
                 dist.barrier()
-            trainer.start(resume=resume)
+            trainer.start(resume=resume, allow_config_change=allow_config_change)
             metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=env.is_main)
             summary = trainer.fit(metrics)
             summary = _summary(trainer, summary, started=started, resumed=resume)

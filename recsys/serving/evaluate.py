@@ -3,7 +3,7 @@
 Each rank builds the trainer's own model for the checkpoint's config (:class:`recsys.trainer.Trainer`),
 restores the checkpoint into it — plain tables and dense weights from the rank files, tiered rows from
 the store snapshots copied into a scratch store, re-partitioned when the number of ranks differs — and
-runs :meth:`Trainer.evaluate`, the very code that computed ``summary.json``'s figures. The run directory
+runs its :class:`~recsys.evaluation.Evaluator`, the very code that computed ``summary.json``'s figures. The run directory
 is only read: its store and metrics are never touched, so a running training can be evaluated.
 
 With the checkpoint's number of ranks and the config's ``eval.batch_size``, every batch is the one the
@@ -46,8 +46,9 @@ def restore(trainer: Trainer, checkpoint: Path) -> int:
 
 def held_out_logits(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's logits and labels of the held-out split (collective), batch by batch as
-    :meth:`Trainer.evaluate` computes them before it reduces them to AUC and log loss."""
-    return trainer.predict()
+    :meth:`Evaluator.evaluate <recsys.evaluation.Evaluator.evaluate>` computes them before it reduces
+    them to AUC and log loss."""
+    return trainer.evaluator.predict()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +66,13 @@ def _evaluate_rank(job: _Job) -> dict[str, Any]:
     trainer = Trainer(job.config, env, out_dir=Path(job.config.store.path).parent)
     try:
         step = restore(trainer, job.checkpoint)
-        auc, logloss = trainer.evaluate()
-        result: dict[str, Any] = {"step": step, "auc": auc, "logloss": logloss, "world_size": env.world_size}
+        scores = trainer.evaluator.evaluate()
+        result: dict[str, Any] = {
+            "step": step,
+            "auc": scores.auc,
+            "logloss": scores.logloss,
+            "world_size": env.world_size,
+        }
         if job.keep_logits:
             # As numpy: torch would pass tensors to the parent as shared memory, which this process
             # (about to exit) owns.

@@ -1,0 +1,110 @@
+"""The checkpoint parts of a trainer besides the model's (:class:`~recsys.checkpoint.ModelState`) and the
+run's progress (:class:`~recsys.train_state.TrainState`): the tiered store's snapshot, what serving and a
+resume need to know of the run (``meta.json``), the model digest and the resolved config.
+
+Each is given what it saves, never the trainer: a part writes only its own files and ``meta.json``
+entries (:class:`~recsys.checkpoint.Checkpointable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from recsys.build import ModelParts
+from recsys.checkpoint.fingerprint import model_fingerprint
+from recsys.checkpoint.manager import Checkpoint
+from recsys.config import RunConfig, config_to_dict
+from recsys.data.spec import spec_to_dict
+from recsys.metrics import write_json
+from recsys.models import interaction_order
+from recsys.tiered import TieredTables
+
+__all__ = ["ConfigRecord", "DigestRecord", "RunRecord", "StoreState"]
+
+
+class StoreState:
+    """The checkpoint part of the tiered store: this rank's snapshot, ``store_rank_<r>/``."""
+
+    def __init__(self, tables: TieredTables) -> None:
+        self.tables = tables
+
+    def save(self, into: Checkpoint) -> list[Path]:
+        return self.tables.snapshot(into.path / f"store_rank_{into.rank}")
+
+    def restore(self, source: Checkpoint) -> None:
+        if source.meta["world_size"] == source.world_size:
+            self.tables.open(snapshot=source.path / f"store_rank_{source.rank}")
+        else:  # rows re-partitioned by this run's ownership
+            self.tables.open(reshard_from=sorted(source.path.glob("store_rank_*")))
+
+
+class RunRecord:
+    """The checkpoint part that says what was trained, in ``meta.json``: the settings that change the model
+    (``fingerprint``, checked on resume), the model's order of its sparse features and the dataset spec
+    (for serving), and the tables whose rows are in the store snapshots (``store_tables``).
+
+    Args:
+        config: the run's config.
+        parts: the model's parts (the sharded model, its table configs, the data, the tier binding).
+    """
+
+    def __init__(self, config: RunConfig, parts: ModelParts) -> None:
+        self.config = config
+        self.parts = parts
+
+    def save(self, into: Checkpoint) -> list[Path]:
+        p = self.parts
+        into.meta["fingerprint"] = model_fingerprint(self.config)
+        # The order of the sparse features in the model's interaction: serving stacks them so.
+        into.meta["features"] = interaction_order(p.dmp, p.tables)
+        # The dataset spec's field transforms, which serving applies to raw records (recsys export).
+        spec = getattr(p.data, "spec", None)
+        into.meta["spec"] = None if spec is None else spec_to_dict(spec)
+        # Which tables' rows are in the store snapshots (the others are in the rank files): a resume
+        # does not move rows between the two (Trainer.restore refuses a change).
+        into.meta["store_tables"] = [] if p.tiered is None else sorted(p.tiered.names)
+        return []
+
+    def restore(self, source: Checkpoint) -> None:
+        """Nothing: the trainer checks the fingerprint and the store tables before any part restores."""
+
+
+class DigestRecord:
+    """The checkpoint part that records the model digest (``train.checkpoint_digest``), in ``meta.json``;
+    the trainer checks the restored model against it. Saved after the store: the digest of tiered tables
+    is read from the snapshot just written.
+
+    Args:
+        digest: ``digest(checkpoint)``: the model digest with tiered rows read from the checkpoint's
+            snapshot (collective).
+        enabled: ``train.checkpoint_digest``.
+    """
+
+    def __init__(self, digest: Callable[[Path], str], *, enabled: bool) -> None:
+        self.digest = digest
+        self.enabled = enabled
+
+    def save(self, into: Checkpoint) -> list[Path]:
+        if self.enabled:
+            into.meta["digest"] = self.digest(into.path)  # collective
+        return []
+
+    def restore(self, source: Checkpoint) -> None:
+        """Nothing: the check needs every part restored (Trainer.restore)."""
+
+
+class ConfigRecord:
+    """The checkpoint part that records the resolved config (rank 0), for ``recsys evaluate``/``export``."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+
+    def save(self, into: Checkpoint) -> list[Path]:
+        if into.rank != 0:
+            return []
+        write_json(into.path / "config.json", config_to_dict(self.config))
+        return [into.path / "config.json"]
+
+    def restore(self, source: Checkpoint) -> None:
+        """Nothing: the run's own config is the one that applies (the fingerprint is checked first)."""
