@@ -20,7 +20,7 @@ from embedding_store.backends import meta as meta_
 from embedding_store.backends.btree import rows_of
 from embedding_store.backends.lmdb_env import LOG_MAX_SEGMENTS, map_error, read_meta
 from embedding_store.backends.log_format import Geometry, rows_of_blocks, runs_name, segment_name
-from embedding_store.backends.log_records import replay_runs
+from embedding_store.backends.log_records import check_blocks, replay_runs
 from embedding_store.backends.readahead import drop_mapped_pages
 from embedding_store.config import TableSpec
 from embedding_store.errors import StoreCorruptError, StoreError, StoreIncompatibleError
@@ -141,6 +141,8 @@ class LmdbSnapshot:
             return
         t, records = replay_runs(self._env, runs_db, spec, geo)
         segs = {seg: self._open_db(segment_name(spec.name, seg)) for seg in records}
+        t.segs = {seg: db for seg, db in segs.items() if db is not None}
+        check_blocks(self._env, t, str(self._path))
         ids, seqs = t.live_items()
         del t
         order = np.argsort(ids)

@@ -15,11 +15,10 @@ import numpy as np
 
 from embedding_store.backends.base import Writes
 from embedding_store.backends.lmdb_env import LmdbRows, map_error
-from embedding_store.backends.log_format import Geometry, encode_keys
-from embedding_store.backends.log_records import LogIo, Table, parse_run
+from embedding_store.backends.log_format import Geometry
+from embedding_store.backends.log_records import LogIo, check_blocks
 from embedding_store.backends.log_tables import LogTables
 from embedding_store.config import TableSpec
-from embedding_store.errors import StoreIncompatibleError
 
 __all__ = ["LogBackend"]
 
@@ -51,35 +50,7 @@ class LogBackend(LmdbRows):
             ),
         )
         for t in self.log._tables.values():
-            self._check_blocks(t)
-
-    def _check_blocks(self, t: Table) -> None:
-        """Refuse a recorded block size that the log's last block contradicts (the last written row must
-        be in block ``seq // block_rows``, and that block must be the segment's last)."""
-        with self._env.begin(db=t.runs_db) as txn:
-            cursor = txn.cursor()
-            found = cursor.last()
-            while found:
-                first, ids, tomb = parse_run(
-                    cursor.key(), cursor.value(), f"table {t.spec.name!r}: damaged runs"
-                )
-                if not tomb:
-                    break
-                found = cursor.prev()
-            if not found:
-                return
-            last = first + ids.shape[0] - 1
-            number = last // t.geo.block
-            db = t.segs.get(last // t.geo.segment)
-            keys = encode_keys(np.array([number, number + 1]))
-            value = None if db is None else txn.get(keys[0], db=db)
-            beyond = None if db is None else txn.get(keys[1], db=db)
-        rows = -1 if value is None else len(value) // t.spec.row_bytes
-        if value is None or len(value) % t.spec.row_bytes or rows <= last % t.geo.block or beyond is not None:
-            raise StoreIncompatibleError(
-                f"store {self._path}: table {t.spec.name!r} block_rows is recorded as {t.geo.block}, but the "
-                f"log's blocks are not of that size (its last row, number {last}, is not in block {number})"
-            )
+            check_blocks(self._env, t, str(self._path))
 
     # ----------------------------------------------------------------------------------------- reads
     def get_rows(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from embedding_store.backends.log_format import RUN_IDS, Geometry
+from embedding_store.backends.log_format import RUN_IDS, Geometry, encode_keys
 from embedding_store.backends.log_live import Liveness
 from embedding_store.backends.readahead import MappedFile
 from embedding_store.config import TableSpec
-from embedding_store.errors import StoreCorruptError
+from embedding_store.errors import StoreCorruptError, StoreIncompatibleError
 from embedding_store.log_index import HashSeqIndex, SeqIndex, make_seq_index
 
-__all__ = ["TOMB_IDS", "Deleted", "LogIo", "LogStats", "Table", "replay_runs", "tomb_value"]
+__all__ = ["TOMB_IDS", "Deleted", "LogIo", "LogStats", "Table", "check_blocks", "replay_runs", "tomb_value"]
 
 _TOMB = -1  # the first int64 of a tombstone run's value
 TOMB_IDS = RUN_IDS - 1  # ids per tombstone run (the marker takes the place of one)
@@ -187,3 +187,30 @@ def replay_runs(env: Any, runs_db: Any, spec: TableSpec, geo: Geometry) -> tuple
     t.alive = Liveness(geo.segment, records, t.live_items()[1], tombs=tombs)
     t.next_seq = -(-end // geo.block) * geo.block
     return t, records
+
+
+def check_blocks(env: Any, t: Table, where: str) -> None:
+    """Refuse a recorded block size that the log's last block contradicts: the last row written must be
+    in block ``seq // block_rows`` of its segment, which must be the segment's last (``t.segs`` open)."""
+    with env.begin(db=t.runs_db) as txn:
+        cursor = txn.cursor()
+        found = cursor.last()
+        while found:
+            first, ids, tomb = parse_run(cursor.key(), cursor.value(), f"table {t.spec.name!r}: damaged runs")
+            if not tomb:
+                break
+            found = cursor.prev()
+        if not found:
+            return
+        last = first + ids.shape[0] - 1
+        number = last // t.geo.block
+        db = t.segs.get(last // t.geo.segment)
+        keys = encode_keys(np.array([number, number + 1]))
+        value = None if db is None else txn.get(keys[0], db=db)
+        beyond = None if db is None else txn.get(keys[1], db=db)
+    rows = -1 if value is None else len(value) // t.spec.row_bytes
+    if value is None or len(value) % t.spec.row_bytes or rows <= last % t.geo.block or beyond is not None:
+        raise StoreIncompatibleError(
+            f"store {where}: table {t.spec.name!r} block_rows is recorded as {t.geo.block}, but the log's "
+            f"blocks are not of that size (its last row, number {last}, is not in block {number})"
+        )

@@ -58,6 +58,7 @@ class StoreMachine(RuleBasedStateMachine):
     """The store vs. ``self.ref``: id -> packed row, per table."""
 
     policy = PolicyKind.LRU
+    layout = "log"  # the SSD backend (LmdbOptions.layout)
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,7 +69,13 @@ class StoreMachine(RuleBasedStateMachine):
             host_capacity_rows=3,
             policy=self.policy,
             lookahead_batches=2,
-            lmdb=LmdbOptions(initial_map_size_bytes=1 << 20, writer_batch_rows=4, writer_max_pending_rows=8),
+            lmdb=LmdbOptions(
+                layout=self.layout,
+                initial_map_size_bytes=1 << 20,
+                writer_batch_rows=4,
+                writer_max_pending_rows=8,
+                log_segment_rows=16,  # the log layout compacts all along
+            ),
         )
         self.ref: dict[str, dict[int, np.ndarray]] = {t.name: {} for t in TABLES}
         self.resident_ever: dict[str, set[int]] = {t.name: set() for t in TABLES}
@@ -228,8 +235,10 @@ def torch_row(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a.copy())
 
 
-def _machine(policy: PolicyKind, examples: int, steps: int) -> type:
-    machine = type(f"StoreMachine{policy.name}", (StoreMachine,), {"policy": policy})
+def _machine(policy: PolicyKind, examples: int, steps: int, layout: str = "log") -> type:
+    machine = type(
+        f"StoreMachine{policy.name}{layout}", (StoreMachine,), {"policy": policy, "layout": layout}
+    )
     case = machine.TestCase
     case.settings = settings(max_examples=examples, stateful_step_count=steps, deadline=None)
     return case
@@ -238,6 +247,11 @@ def _machine(policy: PolicyKind, examples: int, steps: int) -> type:
 TestStoreLru = _machine(PolicyKind.LRU, 15, 40)
 TestStoreLfu = _machine(PolicyKind.LFU, 15, 40)
 TestStoreLookahead = _machine(PolicyKind.LOOKAHEAD, 15, 40)
+# The same machine over the other backends (the store's contract does not depend on its SSD backend).
+TestStoreLruBtree = _machine(PolicyKind.LRU, 10, 40, "btree")
+TestStoreLookaheadBtree = _machine(PolicyKind.LOOKAHEAD, 10, 40, "btree")
+TestStoreLruMemory = _machine(PolicyKind.LRU, 10, 40, "memory")
+TestStoreLookaheadMemory = _machine(PolicyKind.LOOKAHEAD, 10, 40, "memory")
 
 TestStoreLruSlow = pytest.mark.slow(_machine(PolicyKind.LRU, 200, 80))
 TestStoreLfuSlow = pytest.mark.slow(_machine(PolicyKind.LFU, 200, 80))
