@@ -70,6 +70,21 @@ def _dense_mark(pos: np.ndarray, ids: np.ndarray, value: int, out: np.ndarray) -
             out[p] = value
 
 
+@numba.njit(
+    ["int64(int32[:], int64[:], int64[:])", "int64(int64[:], int64[:], int64[:])"], nogil=True, cache=True
+)
+def _dense_remove(vals: np.ndarray, ids: np.ndarray, old: np.ndarray) -> int:  # pragma: no cover - compiled
+    """Clear each id's value in one pass (``old``: its value, -1 where absent or outside the id space:
+    never stored); returns how many were present."""
+    removed = 0
+    for i in range(ids.shape[0]):
+        old[i] = vals[ids[i]] if 0 <= ids[i] < vals.shape[0] else _EMPTY
+        if old[i] >= 0:
+            vals[ids[i]] = _EMPTY
+            removed += 1
+    return removed
+
+
 class IdMap(Protocol):
     """id -> value map (ids int64 >= 0, values int64 >= 0): the one contract of the store's maps.
 
@@ -115,10 +130,8 @@ class _DenseMap(IdMap):
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        old = self.lookup(ids)
-        present = old >= 0
-        self._vals[ids[present]] = _EMPTY
-        self._len -= int(np.count_nonzero(present))
+        old = np.empty(ids.shape[0], dtype=np.int64)
+        self._len -= int(_dense_remove(self._vals, ids, old))
         return old
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
