@@ -18,6 +18,7 @@ from embedding_store.backends.lmdb_env import LmdbRows, map_error
 from embedding_store.backends.log_format import Geometry
 from embedding_store.backends.log_records import LogIo, check_blocks
 from embedding_store.backends.log_tables import LogTables
+from embedding_store.backends.meta import max_block_bytes
 from embedding_store.config import TableSpec
 
 __all__ = ["LogBackend"]
@@ -31,7 +32,11 @@ class LogBackend(LmdbRows):
     """
 
     def _geometry(self, spec: TableSpec) -> tuple[int, int]:
-        geo = Geometry.of(spec, self._options.log_segment_rows)
+        """A new table's: ``BLOCK_BYTES`` a block, at most what fits a leaf page of this environment."""
+        geo, rows = Geometry.of(spec, self._options.log_segment_rows), self._options.log_segment_rows
+        limit = max(1, max_block_bytes(int(self._env.stat()["psize"])) // spec.row_bytes)
+        if geo.block > limit:
+            geo = Geometry(block=limit, segment=limit * max(1, rows // limit))
         return geo.block, geo.segment
 
     def _open_tables(self, tables: Sequence[TableSpec]) -> None:

@@ -254,8 +254,8 @@ class LogTables(LogCompaction):
         """Raise StoreSegmentsError, before anything is written, when ``spans`` (tables' new sequence
         numbers) would open more segments than ``LOG_MAX_SEGMENTS`` (all tables together)."""
         new: dict[tuple[str, int], Table] = {}
-        for t, seqs in spans:
-            for seg in np.unique(seqs // t.geo.segment).tolist():
+        for t, seqs in spans:  # consecutive numbers: the segments from the first's to the last's
+            for seg in range(int(seqs[0]) // t.geo.segment, int(seqs[-1]) // t.geo.segment + 1):
                 if seg not in t.segs:
                     new[(t.spec.name, seg)] = t
         total = sum(len(t.segs) for t in self._tables.values()) + len(new)
