@@ -3,10 +3,11 @@
 Three implementations of the store's one map protocol, :class:`embedding_store.index.IdMap` (``SeqIndex``
 here: values are sequence numbers), all compiled or vectorised (no per-id Python):
 
-- :class:`DenseSeqIndex` for bounded id spaces up to ``DENSE_MAX_IDS`` ids: one int64 per possible id.
+- :class:`DenseSeqIndex` for bounded id spaces up to ``DENSE_MAX_IDS`` ids: one int64 per possible id
+  (defined in :mod:`embedding_store.index`, beside the tiers' dense map it shares its code with).
 - :class:`SortedSeqIndex` for anything else (``make_seq_index``): packed sorted entries, ~11 bytes per
   stored id (6 of key, 4 of sequence number, a directory), with new ids gathered in a small
-  :class:`HashSeqIndex` and merged in place.
+  :class:`HashSeqIndex` and merged in place. A removal closes the gaps in place: a pass over the index.
 - :class:`HashSeqIndex`: open addressing with linear probing over two arrays (int64 ids; uint32
   sequence numbers until one passes 2^32 - 1, int64 from then on), at most ``MAX_LOAD`` full: 12 bytes a
   cell, 15-30 bytes per stored id; the table doubles when it would pass ``MAX_LOAD``. A removal shifts
@@ -118,7 +119,7 @@ def _upsert_args(
     return ids, seqs, held
 
 
-SeqIndex = IdMap  # the name lmdb_log.py reads the index by
+SeqIndex = IdMap  # the name the log backend reads its index by (values: sequence numbers)
 
 
 class HashSeqIndex(IdMap):
