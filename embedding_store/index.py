@@ -136,7 +136,7 @@ class _DenseMap(IdMap):
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         ids = np.flatnonzero(self._vals >= 0)
-        return ids, self._vals[ids].astype(np.int64)
+        return ids, self._vals[ids].astype(np.int64, copy=False)
 
     def nbytes(self) -> int:
         return int(self._vals.nbytes)
@@ -320,7 +320,7 @@ class HashIdMap(IdMap):
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         live = self._keys >= 0
-        return self._keys[live].copy(), self._vals[live].copy()
+        return self._keys[live], self._vals[live]  # boolean indexing copies
 
     def nbytes(self) -> int:
         return int(self._kv.nbytes)
