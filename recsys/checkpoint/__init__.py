@@ -10,8 +10,10 @@ hold up (see :func:`checkpoint_meta`). Files load with ``torch.load(weights_only
 
 Modules: ``manager`` (the :class:`Checkpointable` protocol and :func:`save_checkpoint`), ``state`` (the
 model's part, :class:`ModelState`, and re-partitioning onto another number of ranks), ``verify`` (what a
-checkpoint must hold up to before it is loaded), ``files`` (names, checksums, pruning) and
-``fingerprint`` (the settings a resumed run may not change).
+checkpoint must hold up to before it is loaded), ``files`` (names, checksums, pruning),
+``fingerprint`` (the settings a resumed run may not change) and ``parts`` (the trainer's other parts:
+the store snapshot, the run's record, the digest and the config; the run's progress is
+:class:`recsys.train_state.TrainState`).
 """
 
 from recsys.checkpoint.files import DAMAGED_PREFIX, META, CheckpointError, _describe, latest_checkpoint

@@ -2,7 +2,8 @@
 and restores itself from one; :func:`save_checkpoint` writes them all and marks the checkpoint complete.
 
 Parts are the dense model with the embedding shards and optimizers (:class:`ModelState`), the tiered
-store, the data position and evaluation record, and the config (``recsys/trainer.py``). A part writes
+store, the run's record, the digest and the config (``recsys/checkpoint/parts.py``), and the data
+position and evaluation record (``recsys/train_state.py``). A part writes
 only this rank's files (rank 0 also the run-wide ones) and returns them; the manifest in ``meta.json``
 lists every rank's with sizes and checksums. JSON-sized state goes into ``meta.json`` instead, through
 ``Checkpoint.meta`` (rank 0's is written).
