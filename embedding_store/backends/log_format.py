@@ -1,5 +1,5 @@
 """The log layout's on-disk format: names, keys, blocks and where a sequence number lives
-(docs/tiers.md, "Write-back by write time"; :mod:`embedding_store.lmdb_log` writes and reads it).
+(docs/tiers.md, "Write-back by write time"; :mod:`~embedding_store.backends.log_tables` writes and reads it; a store records its geometry, :mod:`~embedding_store.backends.meta`).
 """
 
 from __future__ import annotations
