@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from harness import alternate, emit, machine_info, peak_rss_mib, run_child, timed
 
+from recsys.table_names import feature_of
+
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZES = (1, 64, 1024)
 CALLS = {1: 2000, 64: 400, 1024: 60}
@@ -219,7 +221,7 @@ def main() -> None:
     most = max(stored.values())
     baseline = torchrec_model(bundle)
     cached = load_bundle(bundle, cache_rows=most)
-    tenth = load_bundle(bundle, cache_rows={t.removeprefix("t_"): max(1, n // 10) for t, n in stored.items()})
+    tenth = load_bundle(bundle, cache_rows={feature_of(t): max(1, n // 10) for t, n in stored.items()})
     features = cached.features
 
     def torchrec_call(dense, ids):

@@ -30,6 +30,7 @@ from recsys.models import TrainModel, build_model, table_configs
 from recsys.routing import tiered_features
 from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
 from recsys.sparse import ShardingKind
+from recsys.table_names import table_name
 from recsys.tiered import TieredTables, TierPlan, row_bytes, tiered_feed
 from recsys.windows import enable_frozen_windows
 
@@ -151,7 +152,7 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         for note in capacities.notes:
             log.info(note)
         planned = {
-            f"t_{f}": {"device_rows": d, "host_rows": capacities.host_rows[f], "owners": owners}
+            table_name(f): {"device_rows": d, "host_rows": capacities.host_rows[f], "owners": owners}
             for f, d in capacities.device_rows.items()
         }
         for table, differ in capacities.mismatches(planned).items():
@@ -188,7 +189,9 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         store_path = Path(cfg.store.path) if cfg.store.path else out_dir / "store"
         plan = TierPlan.from_config(
             cfg,
-            id_spaces={f"t_{f}": n for f, n in zip(features, data.id_spaces, strict=True) if f in tiered},
+            id_spaces={
+                table_name(f): n for f, n in zip(features, data.id_spaces, strict=True) if f in tiered
+            },
             capacities=capacities,
             path=store_path,
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from recsys.errors import UserError
 from recsys.store_config import StoreSection, TableCapacity, load_tune, rows_of
+from recsys.table_names import table_name
 
 __all__ = ["Capacities", "capacity_override", "mismatch_warning"]
 
@@ -120,7 +121,9 @@ class Capacities:
                 source[f] = TUNE
             if device < 1:
                 where = (
-                    f"t_{f}'s device_rows in {TUNE}" if source[f] == TUNE else f"store.capacity.{f}.device"
+                    f"{table_name(f)}'s device_rows in {TUNE}"
+                    if source[f] == TUNE
+                    else f"store.capacity.{f}.device"
                 )
                 value = cap.device if cap and source[f] == SECTION else device
                 raise UserError(f"{where} = {value!r} is less than one row ({row_bytes} bytes each)")
@@ -161,7 +164,7 @@ class Capacities:
         tune's; empty when they agree."""
         out = {}
         for feature, tune in sorted(self.tuned.items()):
-            table = f"t_{feature}"
+            table = table_name(feature)
             if table in ran and ran[table] != tune:
                 out[table] = {"ran": dict(ran[table]), "tune": dict(tune)}
         return out

@@ -15,6 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.data.batch import Batch
 from recsys.model_config import ModelConfig, ModelName
+from recsys.table_names import table_name
 from recsys.windows import sparse_module, windowed_rest
 
 torch.fx.wrap("windowed_rest")  # TorchRec's fx tracer sees the sharded lookup, not the windows' loop
@@ -53,7 +54,7 @@ def table_configs(
     """One sum-pooled table per sparse feature, named ``t_<feature>``."""
     return [
         EmbeddingBagConfig(
-            name=f"t_{feature}",
+            name=table_name(feature),
             embedding_dim=dim,
             num_embeddings=rows,
             feature_names=[feature],

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from embedding_store import PolicyKind
+from embedding_store.config import LOOKAHEAD_BATCHES
 from recsys.errors import UserError
+from recsys.table_names import feature_of
 
 __all__ = [
     "StoreSection",
@@ -110,7 +112,7 @@ class StoreSection:
     device_rows: int = 16_384
     host_rows: int = 65_536
     policy: PolicyKind = PolicyKind.LOOKAHEAD
-    lookahead: int = 4
+    lookahead: int = LOOKAHEAD_BATCHES
     path: str = ""
     capacity: dict[str, TableCapacity] = field(default_factory=dict)
     capacities_from: str = ""
@@ -141,7 +143,7 @@ def load_tune(path: str | Path) -> dict[str, dict[str, object]]:
         tables = doc["tables"]
         out = {}
         for name, entry in tables.items():
-            feature = entry.get("feature", name.removeprefix("t_"))
+            feature = entry.get("feature", feature_of(name))
             for key in ("device_rows", "host_rows"):
                 if not isinstance(entry.get(key), int) or entry[key] < 0:
                     raise ValueError(f"tables.{name}.{key} must be an int >= 0, got {entry.get(key)!r}")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from recsys.capacities import Capacities, mismatch_warning
+from recsys.table_names import feature_of
 from recsys.tier_counters import COUNTERS, TierCounters
 
 __all__ = ["COUNTERS", "PREDICTION_TOLERANCE", "THRASH_HIT_RATE", "TierMetrics", "rates_of"]
@@ -122,7 +123,7 @@ class TierMetrics:
         if not (low and warm):
             return window, None
         worst = min(low, key=low.__getitem__)
-        feature = worst.removeprefix("t_")
+        feature = feature_of(worst)
         slots, key = self.capacities.device_rows[feature], self.capacities.device_key(feature)
         return window, thrashing(worst, low[worst], slots=slots, over=f"the last {steps} steps", key=key)
 
@@ -154,7 +155,7 @@ class TierMetrics:
                 slot["owners"] += 1
         ran = dict(sorted(ran.items()))
         differ = self.capacities.mismatches(ran) if self.capacities.tuned else None
-        out = {n: {**c, "from": self.capacities.source.get(n.removeprefix("t_"), "")} for n, c in ran.items()}
+        out = {n: {**c, "from": self.capacities.source.get(feature_of(n), "")} for n, c in ran.items()}
         if differ is None:
             return out, None, []
         return out, differ, [mismatch_warning(name, d) for name, d in differ.items()]
@@ -172,7 +173,7 @@ class TierMetrics:
         out: dict[str, dict[str, float]] = {}
         warnings: list[str] = []
         for name, c in sorted(total.items()):
-            feature = name.removeprefix("t_")
+            feature = feature_of(name)
             requests = c["device_hits"] + c["device_misses"]
             rates = {
                 **rates_of(c),

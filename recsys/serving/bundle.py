@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from recsys.errors import UserError
+from recsys.table_names import table_name
 
 __all__ = [
     "FORMAT",
@@ -238,7 +239,7 @@ def _features(path: Path, model: dict[str, Any], has_tiered: bool) -> tuple[Feat
             f"{MODEL}: the interaction order {str(order)[:80]} does not name each of the features {names[:8]} "
             "once; export the checkpoint again with `recsys export`",
         )
-    bad = [f.name for f in out if f.table != f"t_{f.name}"]
+    bad = [f.name for f in out if f.table != table_name(f.name)]
     if bad:
         raise _fail(path, f"{MODEL}: feature {bad[0]!r} is not served by its table t_{bad[0]} (altered?)")
     position = {name: i for i, name in enumerate(order)}

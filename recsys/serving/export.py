@@ -43,6 +43,7 @@ from recsys.serving.bundle import DENSE, FORMAT, MANIFEST, MODEL, TABLES, TIERED
 from recsys.serving.output import remove_stale, temporary, write_failure
 from recsys.serving.runs import find_checkpoint, run_config
 from recsys.serving.safetensors_stream import SAFETENSORS_DTYPES, Chunks, tensor_chunks, write_safetensors
+from recsys.table_names import feature_of, table_name
 
 __all__ = ["ExportOptions", "export_bundle"]
 
@@ -314,7 +315,7 @@ def _write(
     ``order``: the sparse features in the order the model's interaction consumes them."""
     first = _load_rank(checkpoint, 0)
     table_keys = {m["table"]: key for key in first["model"] if (m := _TABLE_KEY.search(key))}
-    if sorted(f"t_{f}" for f in order) != sorted(table_keys):
+    if sorted(table_name(f) for f in order) != sorted(table_keys):
         raise UserError(
             f"checkpoint {checkpoint}: the model's features {order} do not match its tables {sorted(table_keys)}"
         )
@@ -364,7 +365,7 @@ def _write(
         plain_entries.append((f"{table}.weight", shape, "F32", chunks))
         features.append(
             {
-                "name": table.removeprefix("t_"),
+                "name": feature_of(table),
                 "table": table,
                 "kind": "plain",
                 "dim": shape[1],
@@ -390,13 +391,13 @@ def _write(
                 if floats != row_floats:
                     raise UserError(f"export: tiered tables have rows of {row_floats} and {floats} floats")
                 features.append(
-                    {"name": table.removeprefix("t_"), "table": table, "kind": "tiered", "dim": spec_layout["dim"],
+                    {"name": feature_of(table), "table": table, "kind": "tiered", "dim": spec_layout["dim"],
                      "rows": rows, "id_space": spec_layout["num_embeddings"]}
                 )  # fmt: skip
         finally:
             writer.close()
     # The model's feature order (its interaction's), never the state dict's (sorted) key order.
-    position = {f"t_{name}": i for i, name in enumerate(order)}
+    position = {table_name(name): i for i, name in enumerate(order)}
     features.sort(key=lambda f: position[f["table"]])
     optimizer = OptimizerKind(config.sparse.optimizer.value)
     dim = features[0]["dim"]

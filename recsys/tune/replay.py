@@ -33,6 +33,7 @@ from recsys.data.source import build_dataset
 from recsys.errors import UserError
 from recsys.routing import Ownership, tiered_features, values_by_feature
 from recsys.sparse import ShardingKind
+from recsys.table_names import table_name
 from recsys.tune.trace import Trace, TraceBuilder
 
 __all__ = ["Replay", "batches_in_flight", "replay"]
@@ -108,14 +109,14 @@ def replay(
     builders = {f: [TraceBuilder() for _ in range(owners)] for f in features}
     # Table-wise, each table's one owner is trace 0 (whichever rank the planner picks, it gets every id).
     ownership = Ownership(
-        world_size=world, row_wise=row_wise, table_owner=dict.fromkeys((f"t_{f}" for f in features), 0)
+        world_size=world, row_wise=row_wise, table_owner=dict.fromkeys((table_name(f) for f in features), 0)
     )
 
     def add(rank_batches: list[Batch], *, train: bool, held: int = -1) -> None:
         per_rank = [values_by_feature(b.sparse) for b in rank_batches]
         for f in features:
             # shares[r][o]: the distinct ids rank r sends owner o
-            shares = [ownership.split(f"t_{f}", torch.unique(v[f])) for v in per_rank]
+            shares = [ownership.split(table_name(f), torch.unique(v[f])) for v in per_rank]
             for owner, builder in enumerate(builders[f]):
                 _add_merged(builder, [share[owner] for share in shares], train=train, held=held)
 
@@ -144,10 +145,10 @@ def replay(
         add([next(src) for src in sources], train=True)
         for s in evals.get(step + 1, []):
             evaluate(held=step + 1 - s)
-    traces = {f"t_{f}": [b.build() for b in builders[f]] for f in features}
+    traces = {table_name(f): [b.build() for b in builders[f]] for f in features}
     return Replay(
         traces=traces,
-        features={f"t_{f}": f for f in features},
+        features={table_name(f): f for f in features},
         train_batches=steps,
         world_size=world,
         row_wise=row_wise,
