@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = [
+    "LOOKAHEAD_BATCHES",
     "LmdbOptions",
     "OptimizerKind",
     "PolicyKind",
@@ -37,6 +38,10 @@ class OptimizerKind(enum.Enum):
         if self is OptimizerKind.EXACT_ROWWISE_ADAGRAD:
             return 1
         return dim
+
+
+# Announced batches LOOKAHEAD protects and the prefetcher reads ahead, by default (recsys's store.lookahead).
+LOOKAHEAD_BATCHES = 4
 
 
 class PolicyKind(enum.Enum):
@@ -282,7 +287,7 @@ class StoreConfig:
     device_capacity_rows: int
     host_capacity_rows: int
     policy: PolicyKind = PolicyKind.LOOKAHEAD
-    lookahead_batches: int = 2
+    lookahead_batches: int = LOOKAHEAD_BATCHES
     lmdb: LmdbOptions = field(default_factory=LmdbOptions)
 
     def __post_init__(self) -> None:
