@@ -28,6 +28,7 @@ __all__ = [
     "Writes",
     "open_backend",
     "open_snapshot",
+    "storage_error",
     "store_file",
 ]
 
@@ -41,6 +42,20 @@ def store_file(path: str | os.PathLike[str]) -> Path | None:
         if (Path(path) / name).is_file():
             return Path(path) / name
     return None
+
+
+def storage_error(err: BaseException, what: str, path: str | os.PathLike[str]) -> StoreError | None:
+    """The StoreError (full, corrupt or plain) of an error a storage engine raised while writing ``path``,
+    None when ``err`` did not come from one. Callers that write LMDB files of their own (the serving
+    bundle) word their errors with it without importing ``lmdb``."""
+    import sys
+
+    lmdb = sys.modules.get("lmdb")  # an LMDB error exists only where lmdb was loaded
+    if lmdb is None or not isinstance(err, lmdb.Error):
+        return None
+    from embedding_store.backends.lmdb_env import map_error
+
+    return map_error(err, what, path)
 
 
 def open_backend(path: Path, *, options: LmdbOptions, seed: int, tables: Sequence[TableSpec]) -> RowBackend:

@@ -66,13 +66,12 @@ def write_failure(err: BaseException, dest: Path, retry: str) -> UserError | Non
     ``retry``: what to do once there is room (``export again``)."""
     if no_space_left(err) is not None:
         return UserError(f"no space left on device writing {dest}; free disk space, then {retry}")
-    import lmdb
+    from embedding_store import StoreFullError
+    from embedding_store.backends import storage_error
 
-    if isinstance(err, lmdb.Error):
-        from embedding_store import StoreFullError
-        from embedding_store.backends.lmdb_env import map_error
-
-        if isinstance(map_error(err, str(dest), dest.parent), StoreFullError):
-            return UserError(f"no space left on device writing {dest}; free disk space, then {retry}")
+    mapped = storage_error(err, str(dest), dest.parent)
+    if isinstance(mapped, StoreFullError):
+        return UserError(f"no space left on device writing {dest}; free disk space, then {retry}")
+    if mapped is not None:
         return UserError(f"writing {dest} failed: {err}")
     return None
