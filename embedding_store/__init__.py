@@ -51,8 +51,10 @@ Building blocks: :class:`~embedding_store.index.HashIdMap` / ``DenseIdMap`` (vec
 maps), eviction policies (``LRU``, ``LFU``, ``LOOKAHEAD``) in :mod:`embedding_store.policies`, the
 SplitMix64 hash in :mod:`embedding_store.hashing` (numpy only), and the backends in
 :mod:`embedding_store.backends` (``open_backend``, ``open_snapshot``; its LMDB modules are the only ones
-that import ``lmdb``). The store, the backends and ``init_rows`` load on first use: importing the config,
-the errors or the hashing leaf loads neither torch nor LMDB.
+that import ``lmdb``). Bounded tables (admission, expiry, a row cap): one
+:class:`~embedding_store.bounds.TableBounds` per table and owner, its checkpoint state split and merged
+by :mod:`embedding_store.bounds_state`. The store, the backends and ``init_rows`` load on first use:
+importing the config, the errors or the hashing leaf loads neither torch nor LMDB.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats, TierStats
 
 if TYPE_CHECKING:
+    from embedding_store.bounds import BoundsRule, Decision, TableBounds
+    from embedding_store.bounds_state import merge_states, split_state
     from embedding_store.index import num_embeddings_for
     from embedding_store.init import init_rows
     from embedding_store.rows import RowChunk
@@ -86,6 +90,8 @@ if TYPE_CHECKING:
 # Loaded on first use, so that importing a light module of the package (its config, errors or the
 # hashing leaf) does not load torch and LMDB: name -> the module that defines it.
 _LAZY = {
+    **dict.fromkeys(("BoundsRule", "Decision", "TableBounds"), "embedding_store.bounds"),
+    **dict.fromkeys(("merge_states", "split_state"), "embedding_store.bounds_state"),
     "init_rows": "embedding_store.init",
     "num_embeddings_for": "embedding_store.index",
     "RowChunk": "embedding_store.rows",
@@ -108,6 +114,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "BoundsRule",
+    "Decision",
     "DirectoryLock",
     "IdOutOfRangeError",
     "LmdbOptions",
@@ -125,14 +133,17 @@ __all__ = [
     "StoreLockedError",
     "StoreSegmentsError",
     "StoreStats",
+    "TableBounds",
     "TableSpec",
     "Tier",
     "TierStats",
     "TieredStore",
     "init_rows",
+    "merge_states",
     "num_embeddings_for",
     "restore_resharded",
     "restore_snapshot",
     "scan_snapshot",
     "snapshot_chunks",
+    "split_state",
 ]
