@@ -9,6 +9,14 @@ Ids follow a bounded Zipf law over ranks, and ranks are scattered over the featu
 like hashed categorical features: an id space of up to 2**63 gives raw 64-bit ids. Labels are drawn
 from a hidden model with per-id linear effects plus pairwise interactions between features, so a model
 that learns feature interactions (DLRM) can beat logistic regression, and learning is measurable.
+
+Drift (``drift_ranks_per_sample = d > 0``): the sample at global index ``i`` hashes popularity rank ``r``
+as the rank ``r - floor(i * d)`` (mod 2**64), so every ``1 / d`` samples a brand-new id takes the top rank
+and every older id slides one rank down the tail, where it is drawn ever more rarely: the set of ids last
+used long ago keeps growing, as in a stream of new users and items. The Zipf shape at any one index is
+unchanged, the offset is a function of the index alone (so the same for any world size), and the hidden
+model's per-id effects are hashes of the id, so new ids get effects of their own. The held-out split
+applies the same rule to its own indices: it has the ids of the start of the training stream.
 """
 
 from __future__ import annotations
@@ -160,6 +168,7 @@ class SyntheticCriteo:
             counts = np.floor(-np.log1p(-uniform(1, j)) * self._dense_scale[j])
             dense[:, j] = np.log1p(counts)
 
+        shift = self._drift_offset(index)  # (B,) uint64 or None
         lengths = np.empty((cfg.num_sparse, b), dtype=np.int64)
         ids = np.empty((cfg.num_sparse, b, cfg.multi_hot), dtype=np.int64)
         for f in range(cfg.num_sparse):
@@ -167,7 +176,7 @@ class SyntheticCriteo:
                 1 if cfg.multi_hot == 1 else 1 + np.floor(uniform(2, f) * cfg.multi_hot).astype(np.int64)
             )
             for s in range(cfg.multi_hot):
-                ids[f, :, s] = self._zipf_ids(uniform(3, f, s), f)
+                ids[f, :, s] = self._zipf_ids(uniform(3, f, s), f, shift)
 
         logit = self._hidden_logit(dense, ids, lengths)
         labels = (uniform(4) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
@@ -178,8 +187,20 @@ class SyntheticCriteo:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _zipf_ids(self, u: np.ndarray, feature: int) -> np.ndarray:
-        """Bounded Zipf ranks in [0, n) by inverse CDF of a power law, hashed into the id space."""
+    def _drift_offset(self, index: np.ndarray) -> np.ndarray | None:
+        """``floor(index * drift_ranks_per_sample)`` mod 2**64 as uint64, shape (B,); None without drift."""
+        rate = self.config.drift_ranks_per_sample
+        if rate == 0.0:
+            return None  # no arithmetic at all: streams without drift stay bit for bit what they were
+        # fmod keeps the float below 2**64, so the cast is defined; the hash needs the offset mod 2**64 only.
+        return np.fmod(np.floor(index.astype(np.float64) * rate), 2.0**64).astype(np.uint64)
+
+    def _zipf_ids(self, u: np.ndarray, feature: int, shift: np.ndarray | None = None) -> np.ndarray:
+        """Bounded Zipf ranks in [0, n) by inverse CDF of a power law, hashed into the id space.
+
+        ``shift`` (B,) uint64 is the drift offset: rank ``r`` hashes as ``r - shift`` (mod 2**64), so a
+        larger shift puts ids never drawn before on the top ranks.
+        """
         n = float(self.config.feature_id_space(feature))
         a = self.config.zipf_alpha
         if abs(a - 1.0) < 1e-9:
@@ -188,6 +209,8 @@ class SyntheticCriteo:
             top = (n + 1.0) ** (1.0 - a)
             rank = (1.0 + u * (top - 1.0)) ** (1.0 / (1.0 - a)) - 1.0
         rank_u = np.minimum(np.floor(rank), n - 1).astype(np.uint64)
+        if shift is not None:
+            rank_u = rank_u - shift  # wraps mod 2**64 by design
         space = np.uint64(self.config.feature_id_space(feature))
         return (_mix(rank_u + self._feature_keys[feature]) % space).astype(np.int64)
 

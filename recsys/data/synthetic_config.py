@@ -27,6 +27,11 @@ class SyntheticConfig:
         interaction_strength: weight of the pairwise interactions in the hidden logit.
         linear_strength: weight of the per-id linear effects in the hidden logit.
         eval_samples: size of the held-out split.
+        drift_ranks_per_sample: popularity ranks ``d`` the ids slide down per sample of the stream (in
+            [0, 2**63]; 0: no drift). The sample at global index ``i`` draws at rank ``r`` the id that rank
+            ``r - floor(i * d)`` has at index 0, so a brand-new id takes the top rank every ``1 / d``
+            samples and older ids fall into the tail; counted in samples, so the drift does not depend on
+            the batch size or the world size.
     """
 
     num_dense: int = 13
@@ -39,6 +44,7 @@ class SyntheticConfig:
     interaction_strength: float = 1.0
     linear_strength: float = 0.6
     eval_samples: int = 65_536
+    drift_ranks_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_dense < 0:
@@ -60,6 +66,11 @@ class SyntheticConfig:
             raise ValueError(f"hidden_dim must be >= 1, got {self.hidden_dim}")
         if self.eval_samples < 1:
             raise ValueError(f"eval_samples must be >= 1, got {self.eval_samples}")
+        # The bound keeps index * rate finite for every uint64 index (NaN fails both comparisons).
+        if not 0.0 <= self.drift_ranks_per_sample <= MAX_ID_SPACE:
+            raise ValueError(
+                f"drift_ranks_per_sample must be in [0, 2**63], got {self.drift_ranks_per_sample}"
+            )
 
     @property
     def feature_names(self) -> list[str]:
