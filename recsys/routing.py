@@ -199,6 +199,8 @@ class RoutedIds:
         recv_counts: (W, T) ids received from each peer, per table.
         owner_ids: per table this rank holds, the (R_t,) ids it owns of the batch: every peer's (unique,
             ascending), in peer order.
+        owner_counts: with ``route(..., counts=True)``: per table held, the (R_t,) occurrences of each of
+            ``owner_ids[t]`` in its peer's batch (an id several peers sent appears once per peer); else None.
     """
 
     inverse: dict[str, torch.Tensor]
@@ -206,6 +208,7 @@ class RoutedIds:
     send_counts: torch.Tensor
     recv_counts: torch.Tensor
     owner_ids: dict[str, torch.Tensor]
+    owner_counts: dict[str, torch.Tensor] | None = None
 
 
 class Router:
@@ -222,8 +225,12 @@ class Router:
         self.names = list(names)
         self.held = frozenset(held)
 
-    def route(self, ids: Mapping[str, torch.Tensor], exchange: Exchange) -> RoutedIds:
-        """Deduplicate each table's (n_t,) int64 ids of the batch and send every unique id to its owner.
+    def route(
+        self, ids: Mapping[str, torch.Tensor], exchange: Exchange, *, counts: bool = False
+    ) -> RoutedIds:
+        """Deduplicate each table's (n_t,) int64 ids of the batch and send every unique id to its owner;
+        with ``counts``, each unique id's occurrences in the batch travel with it (bounded tables count
+        them on the owner).
 
         Collective on ``exchange`` (two all-to-alls: counts, then ids), except on one rank.
         """
@@ -231,29 +238,52 @@ class Router:
         inverse: dict[str, torch.Tensor] = {}
         perm: dict[str, torch.Tensor | None] = {}
         uniques: list[torch.Tensor] = []
+        occurrences: list[torch.Tensor] = []
         send_counts = torch.zeros(w, n_tables, dtype=torch.int64)  # (W, T)
         for t, name in enumerate(self.names):
-            uniq, inverse[name] = torch.unique(ids[name], return_inverse=True)
+            if counts:
+                uniq, inverse[name], occ = torch.unique(ids[name], return_inverse=True, return_counts=True)
+            else:
+                uniq, inverse[name] = torch.unique(ids[name], return_inverse=True)
             uniq, perm[name], per_owner = self.ownership.send_order(name, uniq)
+            if counts:
+                occurrences.append(occ if perm[name] is None else occ[perm[name]])
             send_counts[:, t] = per_owner
             uniques.append(uniq)
+        held = [(t, name) for t, name in enumerate(self.names) if name in self.held]
         if w == 1:
-            owner_ids = {name: uniques[t] for t, name in enumerate(self.names) if name in self.held}
-            return RoutedIds(inverse, perm, send_counts, send_counts, owner_ids)
-        counts = send_counts.numpy()
-        # peer-major, table-minor: the ids for peer d are table 0's share for d, then table 1's, ...
-        parts = [torch.split(u, counts[:, t].tolist()) for t, u in enumerate(uniques)]
-        send = torch.cat([parts[t][d] for d in range(w) for t in range(n_tables)])
+            owner_ids = {name: uniques[t] for t, name in held}
+            owner_occ = {name: occurrences[t] for t, name in held} if counts else None
+            return RoutedIds(inverse, perm, send_counts, send_counts, owner_ids, owner_occ)
+        split = send_counts.numpy()
+        # peer-major, table-minor: the ids for peer d are table 0's share for d, then table 1's, ...; with
+        # counts, each peer's ids are followed by their occurrences in the same order
+        parts = [torch.split(u, split[:, t].tolist()) for t, u in enumerate(uniques)]
+        occ_parts = [torch.split(o, split[:, t].tolist()) for t, o in enumerate(occurrences)]
+        per_dest = []
+        for d in range(w):
+            per_dest += [parts[t][d] for t in range(n_tables)]
+            per_dest += [occ_parts[t][d] for t in range(n_tables)] if counts else []
+        send = torch.cat(per_dest)
         per_peer = [n_tables] * w
         recv_counts = exchange.all_to_all(send_counts.reshape(-1), per_peer, per_peer).reshape(w, n_tables)
-        recv = exchange.all_to_all(send, send_counts.sum(1).tolist(), recv_counts.sum(1).tolist())
-        pieces = torch.split(recv, recv_counts.reshape(-1).tolist())  # peer-major, table-minor
-        owner_ids = {
-            name: torch.cat([pieces[s * n_tables + t] for s in range(w)])
-            for t, name in enumerate(self.names)
-            if name in self.held
-        }
-        return RoutedIds(inverse, perm, send_counts, recv_counts, owner_ids)
+        factor = 2 if counts else 1
+        recv = exchange.all_to_all(
+            send, (send_counts.sum(1) * factor).tolist(), (recv_counts.sum(1) * factor).tolist()
+        )
+        # per peer s: its T tables' ids, then (with counts) their occurrences
+        sizes = []
+        for s in range(w):
+            sizes += recv_counts[s].tolist() * factor
+        pieces = torch.split(recv, sizes)
+        stride = n_tables * factor
+        owner_ids = {name: torch.cat([pieces[s * stride + t] for s in range(w)]) for t, name in held}
+        owner_occ = None
+        if counts:
+            owner_occ = {
+                name: torch.cat([pieces[s * stride + n_tables + t] for s in range(w)]) for t, name in held
+            }
+        return RoutedIds(inverse, perm, send_counts, recv_counts, owner_ids, owner_occ)
 
     def return_slots(
         self, routed: RoutedIds, slots: Mapping[str, torch.Tensor], exchange: Exchange

@@ -313,3 +313,53 @@ def test_tiered_features():
     assert tiered_features(StoreSection(tiered=True, tables=("c", "u")), features) == ["u", "c"]
     with pytest.raises(UserError, match=r"unknown features \['x'\]"):
         tiered_features(StoreSection(tiered=True, tables=("x",)), features)
+
+
+@pytest.mark.parametrize(
+    ("row_wise", "world_size"), [(False, 1), (True, 1), (False, 3), (True, 2), (True, 3)]
+)
+def test_counts_travel_with_the_ids_to_their_owner(row_wise, world_size):
+    """With ``counts=True`` every owner learns, per id it received, how often it occurs in the sender's
+    batch: summed over senders, each id's occurrences in the global batch (what bounded tables count)."""
+    rng = np.random.default_rng(40 + world_size)
+    names = ["a", "b"]
+    table_owner = {"a": world_size - 1, "b": 0}
+    sizes = [{"a": 90, "b": 0}, {"a": 7, "b": 120}, {"a": 300, "b": 5}][:world_size]
+    batches = [_batch(rng, s) for s in sizes]
+    ownership = Ownership(world_size=world_size, row_wise=row_wise, table_owner=table_owner)
+    held = [{"a", "b"} if row_wise else {n for n in names if table_owner[n] == r} for r in range(world_size)]
+
+    def rank_fn(rank: int, exchange: Any) -> RoutedIds:
+        return Router(ownership, names=names, held=held[rank]).route(batches[rank], exchange, counts=True)
+
+    routed = [rank_fn(0, NoExchange())] if world_size == 1 else on_ranks(world_size, rank_fn)
+    for name in names:
+        want: dict[int, int] = {}
+        for b in batches:
+            for x in b[name].tolist():
+                want[x] = want.get(x, 0) + 1
+        got: dict[int, int] = {}
+        for rank, r in enumerate(routed):
+            if name not in r.owner_ids:
+                continue
+            assert r.owner_counts is not None
+            ids, occ = r.owner_ids[name].tolist(), r.owner_counts[name].tolist()
+            assert len(ids) == len(occ)
+            for x, c in zip(ids, occ, strict=True):
+                assert (
+                    oracle_owner(x, name, row_wise=row_wise, world_size=world_size, table_owner=table_owner)
+                    == rank
+                )
+                got[x] = got.get(x, 0) + c
+        assert got == want
+    assert all(
+        r.owner_counts is None
+        for r in on_ranks(
+            2,
+            lambda rank, ex: Router(
+                Ownership(world_size=2, row_wise=True, table_owner={"a": 1, "b": 1}),
+                names=names,
+                held={"a", "b"},
+            ).route(_batch(np.random.default_rng(rank), {"a": 5, "b": 5}), ex),
+        )
+    )
