@@ -49,7 +49,9 @@ def model_fingerprint(config: RunConfig) -> dict[str, Any]:
 
 def fingerprint_mismatch(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
     """One ``"key: saved X, now Y"`` line per key whose value differs (values as JSON; a key only one
-    side has shows ``(none)`` on the other). A checkpoint saved without a fingerprint (None) matches."""
+    side has shows ``(none)`` on the other). A checkpoint saved without a fingerprint (None) matches, and
+    so does a key the checkpoint predates (absent from ``saved``) that now holds its default value: the
+    setting did not exist, and its default trains what the code that saved the checkpoint trained."""
     if saved is None:
         return []
 
@@ -57,8 +59,18 @@ def fingerprint_mismatch(saved: dict[str, Any] | None, current: dict[str, Any]) 
         return json.dumps(side[key], sort_keys=True) if key in side else "(none)"
 
     now = json.loads(json.dumps(current))  # compared as stored: tuples as lists
+    defaults = _defaults()
     return [
         f"{key}: saved {shown(saved, key)}, now {shown(now, key)}"
         for key in sorted(saved.keys() | now.keys())
         if shown(saved, key) != shown(now, key)
+        and not (key not in saved and key in defaults and shown(defaults, key) == shown(now, key))
     ]
+
+
+def _defaults() -> dict[str, Any]:
+    """Every setting's default value, flat (``"section.key"``), as JSON values."""
+    from recsys.config import config_from_dict
+
+    tree = json.loads(json.dumps(config_to_dict(config_from_dict({}))))
+    return {f"{section}.{key}": v for section, keys in tree.items() for key, v in keys.items()}

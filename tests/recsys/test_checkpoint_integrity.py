@@ -477,6 +477,19 @@ def test_fingerprint_mismatch_lists_every_changed_key():
     assert fingerprint_mismatch({"a": 1}, {"a": True}) == ["a: saved 1, now true"]  # 1 == True, yet differs
 
 
+def test_a_setting_added_after_the_checkpoint_matches_at_its_default():
+    """A checkpoint saved before a setting existed resumes while the setting keeps its default, and is
+    refused once it does not (synthetic.drift_ranks_per_sample came after older checkpoints)."""
+    older = model_fingerprint(config_from_dict({}))
+    del older["synthetic.drift_ranks_per_sample"]
+    older = json.loads(json.dumps(older))
+    assert fingerprint_mismatch(older, model_fingerprint(config_from_dict({}))) == []
+    drifting = model_fingerprint(config_from_dict({}, ["synthetic.drift_ranks_per_sample=0.001"]))
+    assert fingerprint_mismatch(older, drifting) == [
+        "synthetic.drift_ranks_per_sample: saved (none), now 0.001"
+    ]
+
+
 def _digest(out: Path) -> str:
     return json.loads((out / "summary.json").read_text())["model_digest"]
 
