@@ -38,7 +38,8 @@ at the end of each step: the candidates held after step ``s`` are at most the di
 row in steps ``(s - W, s]``. The purge changes no decision. Per-step work is proportional to the step's
 ids plus the ids it expires, caps or purges: the expiry and cap order and the purge order are kept as
 ids grouped by step (lazily: an entry goes stale when its id's step moves on, and the groups are
-compacted once stale entries outnumber live ones), never found by scanning the table.
+swept, a bounded number of entries per step, once stale entries outnumber live ones), never found by
+scanning the table.
 
 Resharding: the per-id state (counts, last occurrence, last use) moves with its id
 (:func:`~embedding_store.bounds_state.split_state`, :func:`~embedding_store.bounds_state.merge_states`),
@@ -149,7 +150,8 @@ class TableBounds:
         bounds.lookup(np.array([3, 7, 9]))                         # [True, False, False]
     """
 
-    _COMPACT_MIN = 1 << 16  # stale entries tolerated before a compaction regardless of the live ones
+    _SWEEP_MIN = 1 << 16  # stale entries tolerated beside the live ones before a sweep starts
+    _SWEEP_BATCH = 1024  # entries swept per step beyond twice the step's ids
     _purge = True  # tests turn it off to show that the purge changes no decision
 
     def __init__(self, rule: BoundsRule) -> None:
@@ -160,8 +162,8 @@ class TableBounds:
         self._top = 0  # records handed out so far (the high-water mark)
         self._free = np.empty(1024, dtype=np.int64)  # a stack of released records
         self._nfree = 0
-        self._row_buckets = StepGroups()  # rows by last use (kept while expiry or a cap is on)
-        self._cand_buckets = StepGroups()  # candidates by last occurrence
+        self._row_groups = StepGroups()  # rows by last use (kept while expiry or a cap is on)
+        self._cand_groups = StepGroups()  # candidates by last occurrence
         self._track_rows = rule.expire_after_steps > 0 or rule.max_rows > 0
         self._last_step = -1
         self._rows = 0
@@ -212,7 +214,7 @@ class TableBounds:
     def nbytes(self) -> int:
         """Memory held by the state: the id map, the per-record arrays and the step groups."""
         arrays = self._map.nbytes() + self._cnt.nbytes + self._step.nbytes + self._free.nbytes
-        return int(arrays + self._row_buckets.nbytes() + self._cand_buckets.nbytes())
+        return int(arrays + self._row_groups.nbytes() + self._cand_groups.nbytes())
 
     # ------------------------------------------------------------------ reads
     def lookup(self, ids: np.ndarray) -> np.ndarray:
@@ -278,7 +280,7 @@ class TableBounds:
         rule = self.rule
         expired = _NO_IDS
         if rule.expire_after_steps:  # 1. expiry
-            expired = np.sort(self._row_buckets.take(s - rule.expire_after_steps - 1, None, self._row_live))
+            expired = np.sort(self._row_groups.take(s - rule.expire_after_steps - 1, None, self._row_live))
             self._drop(expired)
             self._rows -= expired.size
 
@@ -294,21 +296,21 @@ class TableBounds:
         qualifies = ~has_row & (new_cnt >= rule.admit_after)
 
         used = rec[has_row]  # 4. (early for old rows: then they are stale in the LRU groups of 3.)
-        self._cand_buckets.forget(self._step[rec[was_cand]])
+        self._cand_groups.forget(self._step[rec[was_cand]])
         if self._track_rows:
-            self._row_buckets.forget(self._step[used])
+            self._row_groups.forget(self._step[used])
         self._step[used] = s
 
         admit, capped = qualifies, _NO_IDS  # 3. cap
         if rule.max_rows:
-            room = max(rule.max_rows - self._row_buckets.live_since(s - PROTECT_STEPS + 1) - used.size, 0)
+            room = max(rule.max_rows - self._row_groups.live_since(s - PROTECT_STEPS + 1) - used.size, 0)
             which = np.flatnonzero(qualifies)
             if which.size > room:
                 admit = np.zeros(ids.size, dtype=bool)
                 admit[which[:room]] = True
             excess = self._rows + int(np.count_nonzero(admit)) - rule.max_rows
             if excess > 0:
-                capped = np.sort(self._row_buckets.take(s - PROTECT_STEPS, excess, self._row_live))
+                capped = np.sort(self._row_groups.take(s - PROTECT_STEPS, excess, self._row_live))
                 self._drop(capped)
                 self._rows -= capped.size
 
@@ -321,19 +323,20 @@ class TableBounds:
         self._cnt[rec[stays]] = new_cnt[stays]
         self._step[rec[~has_row]] = s
         if self._track_rows:
-            self._row_buckets.push(s, ids[own])
-        self._cand_buckets.push(s, ids[stays])
+            self._row_groups.push(s, ids[own])
+        self._cand_groups.push(s, ids[stays])
         admitted = ids[admit]
         self._rows += admitted.size
         self._candidates += int(np.count_nonzero(stays)) - int(np.count_nonzero(was_cand))
 
         if self._purge:  # candidates that can never count again (module docstring: memory)
-            purged = self._cand_buckets.take(s - rule.admit_window_steps, None, self._cand_live)
+            purged = self._cand_groups.take(s - rule.admit_window_steps, None, self._cand_live)
             self._drop(purged)
             self._candidates -= purged.size
-        for buckets, live in ((self._row_buckets, self._row_live), (self._cand_buckets, self._cand_live)):
-            if buckets.entries > 2 * buckets.live_total + self._COMPACT_MIN:
-                buckets.compact(live)
+        for groups, live in ((self._row_groups, self._row_live), (self._cand_groups, self._cand_live)):
+            if groups.entries > 2 * groups.live_total + self._SWEEP_MIN:
+                groups.start_sweep()
+            groups.sweep(2 * ids.size + self._SWEEP_BATCH, live)  # > the step makes stale: entries shrink
 
         default_lookups = int(counts[stays].sum())
         self._totals += (admitted.size, expired.size, capped.size, default_lookups, int(counts.sum()))
@@ -390,8 +393,8 @@ class TableBounds:
         out._cnt[recs] = np.concatenate([np.full(n_rows, _ROW), st["candidate_count"]])
         out._step[recs] = np.concatenate([st["row_last_use"], st["candidate_last_seen"]])
         if out._track_rows:
-            out._row_buckets = StepGroups.of(st["row_last_use"], row_ids)
-        out._cand_buckets = StepGroups.of(st["candidate_last_seen"], cand_ids)
+            out._row_groups = StepGroups.of(st["row_last_use"], row_ids)
+        out._cand_groups = StepGroups.of(st["candidate_last_seen"], cand_ids)
         out._rows, out._candidates = n_rows, cand_ids.size
         out._last_step = int(st["last_step"][0])
         out._totals = st["totals"].copy()

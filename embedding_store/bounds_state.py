@@ -23,6 +23,7 @@ ranks; the row cap, which ranks an owner's rows against each other, does not (se
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -101,9 +102,10 @@ class StepGroups:
     """Ids grouped by a step (a row's last use, a candidate's last occurrence), oldest group first, each
     group ascending by id: the LRU order of rows (ties by id) and the age order of candidates.
 
-    Lazy: when an id's step moves on, its old entry stays until a ``take`` or ``compact`` meets it and
+    Lazy: when an id's step moves on, its old entry stays until a ``take`` or a ``sweep`` meets it and
     the caller's ``live(step, ids)`` says it is stale. ``forget`` is told the old steps, so the live
-    entries per group are counted exactly (``live_since``: the protected rows of the cap).
+    entries per group are counted exactly (``live_since``: the protected rows of the cap). A sweep
+    drops stale entries a bounded number per call (never a pass over every group in one step).
     """
 
     def __init__(self) -> None:
@@ -112,6 +114,7 @@ class StepGroups:
         self._live: dict[int, int] = {}  # step -> live entries of its group
         self.live_total = 0
         self.entries = 0
+        self._sweep_from: int | None = None  # the group step a sweep resumes at (None: no sweep)
 
     @classmethod
     def of(cls, steps: np.ndarray, ids: np.ndarray) -> StepGroups:
@@ -174,12 +177,26 @@ class StepGroups:
                 self.entries -= ids.size - (current.size - k)
         return np.concatenate(out) if out else _NO_IDS
 
-    def compact(self, live: LiveFn) -> None:
-        """Drop every stale entry."""
-        for i, step in enumerate(self._steps):
-            self._ids[i] = self._ids[i][live(step, self._ids[i])]
+    def start_sweep(self) -> None:
+        """Begin a sweep at the oldest group (unless one is under way)."""
+        if self._sweep_from is None and self._steps:
+            self._sweep_from = self._steps[0]
+
+    def sweep(self, budget: int, live: LiveFn) -> None:
+        """Drop the stale entries of the next groups of a sweep under way, about ``budget`` entries (at
+        least one group) per call; the sweep ends after the newest group."""
+        if self._sweep_from is None:
+            return
+        i = bisect.bisect_left(self._steps, self._sweep_from)  # its group may have been taken since
+        done = 0
+        while i < len(self._steps) and done < budget:
+            step, ids = self._steps[i], self._ids[i]
+            self._ids[i] = ids[live(step, ids)]
             assert self._ids[i].size == self._live[step], "bounds: a group's live count drifted"
-        self.entries = self.live_total
+            self.entries -= ids.size - self._ids[i].size
+            done += ids.size
+            i += 1
+        self._sweep_from = self._steps[i] if i < len(self._steps) else None
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._ids)

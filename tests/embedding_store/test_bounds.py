@@ -124,10 +124,11 @@ RULES = {
 }
 
 
-def run_both(rule: BoundsRule, seed: int, *, compact: bool = False, gaps: bool = True) -> TableBounds:
+def run_both(rule: BoundsRule, seed: int, *, sweep: bool = False, gaps: bool = True) -> TableBounds:
     tb, oracle = TableBounds(rule), Oracle(rule)
-    if compact:
-        tb._COMPACT_MIN = 0  # compact the step groups whenever stale entries outnumber live ones
+    if sweep:
+        # Sweep the step groups whenever stale entries outnumber live ones, a few groups per step.
+        tb._SWEEP_MIN, tb._SWEEP_BATCH = 0, 0
     totals = np.zeros(5, dtype=np.int64)
     for s, ids, counts in stream(seed, gaps=gaps):
         got = as_lists(tb.decide(s, ids, counts))
@@ -146,11 +147,11 @@ def run_both(rule: BoundsRule, seed: int, *, compact: bool = False, gaps: bool =
     return tb
 
 
-@pytest.mark.parametrize("compact", [False, True], ids=["lazy", "compacted"])
+@pytest.mark.parametrize("sweep", [False, True], ids=["lazy", "swept"])
 @pytest.mark.parametrize("gaps", [False, True], ids=["consecutive", "gaps"])
 @pytest.mark.parametrize("name", list(RULES))
-def test_each_rule_matches_the_oracle(name, gaps, compact):
-    tb = run_both(RULES[name], seed=len(name), gaps=gaps, compact=compact)
+def test_each_rule_matches_the_oracle(name, gaps, sweep):
+    tb = run_both(RULES[name], seed=len(name), gaps=gaps, sweep=sweep)
     assert tb.nbytes() > 0
 
 
@@ -183,7 +184,7 @@ def test_random_rules_match_the_oracle(admit_after, window, expire, cap, seed):
     rule = BoundsRule(
         admit_after=admit_after, admit_window_steps=window, expire_after_steps=expire, max_rows=cap
     )
-    run_both(rule, seed, compact=seed % 2 == 0)
+    run_both(rule, seed, sweep=seed % 2 == 0)
 
 
 def decide_all(tb: TableBounds, steps) -> list[dict]:
@@ -288,6 +289,20 @@ def test_the_purge_changes_no_decision_and_bounds_the_candidates():
         check_against_oracle(keeping, oracle, purged=False)
         fewer |= purging.candidates < keeping.candidates
     assert fewer, "the stream never left a candidate outside the window"
+
+
+def test_sweeps_keep_the_step_groups_small_and_change_no_decision():
+    """Rows used again leave stale entries in their old step's group; sweeps, a few groups per step, keep
+    the entries within twice the live ones plus a step's ids, where lazy groups grow with every step."""
+    rule = BoundsRule(admit_after=2, admit_window_steps=50, max_rows=10**6)  # a cap that is never hit
+    lazy, swept = TableBounds(rule), TableBounds(rule)
+    lazy._SWEEP_MIN = 1 << 40
+    swept._SWEEP_MIN, swept._SWEEP_BATCH = 0, 0
+    for s, ids, counts in stream(9, steps=300, gaps=False):
+        assert as_lists(lazy.decide(s, ids, counts)) == as_lists(swept.decide(s, ids, counts))
+        for groups in (swept._row_groups, swept._cand_groups):
+            assert groups.entries <= 2 * groups.live_total + ids.size
+    assert lazy._row_groups.entries > 10 * lazy.rows == 10 * swept._row_groups.live_total
 
 
 def test_counts_saturate_without_changing_admission():
