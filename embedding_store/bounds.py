@@ -52,7 +52,12 @@ Example::
     bounds = TableBounds(BoundsRule(admit_after=2, expire_after_steps=10_000, max_rows=1 << 24))
     ids, counts = np.unique(batch_ids, return_counts=True)   # this owner's ids of the step's batch
     d = bounds.decide(step, ids, counts)
-    store.delete(d.removed); store.insert_fresh(d.admitted)  # d.own: which ids read their own row
+    # before the step runs: delete d.removed's rows from every tier (with their optimizer state) and
+    # insert d.admitted's rows fresh; ids[d.own] read their own rows, the others the default row.
+
+Decisions depend on ids only, never on weights, so a pipeline may decide a step before the earlier
+steps have trained: up to ``PROTECT_STEPS - 1`` steps ahead of the oldest batch still in flight, whose
+rows are then still protected. A :class:`TableBounds` is not thread-safe: one caller drives it.
 """
 
 from __future__ import annotations

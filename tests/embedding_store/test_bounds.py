@@ -120,7 +120,7 @@ RULES = {
     "admission": BoundsRule(admit_after=3, admit_window_steps=5),
     "expiry": BoundsRule(expire_after_steps=PROTECT_STEPS + 1),
     "cap": BoundsRule(max_rows=30),
-    "all": BoundsRule(admit_after=2, admit_window_steps=6, expire_after_steps=12, max_rows=15),
+    "all": BoundsRule(admit_after=2, admit_window_steps=6, expire_after_steps=PROTECT_STEPS, max_rows=15),
 }
 
 
@@ -151,8 +151,12 @@ def run_both(rule: BoundsRule, seed: int, *, sweep: bool = False, gaps: bool = T
 @pytest.mark.parametrize("gaps", [False, True], ids=["consecutive", "gaps"])
 @pytest.mark.parametrize("name", list(RULES))
 def test_each_rule_matches_the_oracle(name, gaps, sweep):
-    tb = run_both(RULES[name], seed=len(name), gaps=gaps, sweep=sweep)
+    rule = RULES[name]
+    tb = run_both(rule, seed=len(name), gaps=gaps, sweep=sweep)
     assert tb.nbytes() > 0
+    # the stream reaches the rule under test (and only that one acts)
+    assert (tb.expired_total > 0, tb.capped_total > 0) == (rule.expire_after_steps > 0, rule.max_rows > 0)
+    assert (tb.default_lookups_total > 0) == (rule.admit_after > 1 or rule.max_rows > 0)
 
 
 def test_the_streams_exercise_every_rule():
