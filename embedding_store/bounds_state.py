@@ -184,22 +184,38 @@ class StepGroups:
 
     def sweep(self, budget: int, live: LiveFn) -> None:
         """Drop the stale entries of the next groups of a sweep under way, about ``budget`` entries (at
-        least one group) per call; the sweep ends after the newest group."""
+        least one group) per call; the sweep ends after the newest group, dropping the groups it emptied
+        (so the groups held never outnumber the steps with a live entry by more than one pass's worth)."""
         if self._sweep_from is None:
             return
         i = bisect.bisect_left(self._steps, self._sweep_from)  # its group may have been taken since
         done = 0
         while i < len(self._steps) and done < budget:
             step, ids = self._steps[i], self._ids[i]
-            self._ids[i] = ids[live(step, ids)]
-            assert self._ids[i].size == self._live[step], "bounds: a group's live count drifted"
-            self.entries -= ids.size - self._ids[i].size
+            kept = ids[live(step, ids)]
+            assert kept.size == self._live[step], "bounds: a group's live count drifted"
+            self._ids[i] = kept if kept.size else _NO_IDS
+            self.entries -= ids.size - kept.size
             done += ids.size
             i += 1
-        self._sweep_from = self._steps[i] if i < len(self._steps) else None
+        if i < len(self._steps):
+            self._sweep_from = self._steps[i]
+            return
+        self._sweep_from = None
+        groups = list(zip(self._steps, self._ids, strict=True))
+        for step, ids in groups:
+            if not ids.size:
+                del self._live[step]
+        self._steps = deque(step for step, ids in groups if ids.size)
+        self._ids = deque(ids for ids in self._ids if ids.size)
+
+    def __len__(self) -> int:
+        """Groups held."""
+        return len(self._steps)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._ids)
+        """Memory of the grouped ids (the deques and the per-group counts: ~150 bytes a group)."""
+        return sum(a.nbytes for a in self._ids) + 150 * len(self._steps)
 
 
 def split_state(

@@ -297,7 +297,8 @@ def test_the_purge_changes_no_decision_and_bounds_the_candidates():
 
 def test_sweeps_keep_the_step_groups_small_and_change_no_decision():
     """Rows used again leave stale entries in their old step's group; sweeps, a few groups per step, keep
-    the entries within twice the live ones plus a step's ids, where lazy groups grow with every step."""
+    the entries within twice the live ones plus a step's ids, and the groups near the steps in use, where
+    lazy groups grow with every step."""
     rule = BoundsRule(admit_after=2, admit_window_steps=50, max_rows=10**6)  # a cap that is never hit
     lazy, swept = TableBounds(rule), TableBounds(rule)
     lazy._SWEEP_MIN = 1 << 40
@@ -307,6 +308,9 @@ def test_sweeps_keep_the_step_groups_small_and_change_no_decision():
         for groups in (swept._row_groups, swept._cand_groups):
             assert groups.entries <= 2 * groups.live_total + ids.size
     assert lazy._row_groups.entries > 10 * lazy.rows == 10 * swept._row_groups.live_total
+    # a pass drops the groups it emptied: about one group per step with a live row, not one per step
+    steps_in_use = np.unique(swept.state()["row_last_use"]).size
+    assert len(swept._row_groups) <= 2 * steps_in_use < len(lazy._row_groups)
 
 
 def test_counts_saturate_without_changing_admission():
