@@ -20,6 +20,9 @@ class TierStats:
         rows_in: rows written into this tier; bytes_in the same in bytes.
         rows_out: rows read out of it, upwards or downwards; bytes_out the same in bytes.
         evictions: rows this tier evicted to make room.
+        deleted: rows deleted from the model (``TieredStore.delete``) that this tier held: device and
+            host the rows they dropped; ssd every distinct id of each delete, as each one reaches the
+            SSD tier whether or not it held the row, so the table's count of deleted ids.
         seconds: wall time spent in this tier's operations.
     """
 
@@ -30,6 +33,7 @@ class TierStats:
     bytes_in: int = 0
     bytes_out: int = 0
     evictions: int = 0
+    deleted: int = 0
     seconds: float = 0.0
 
     def add_in(self, rows: int, row_bytes: int) -> None:

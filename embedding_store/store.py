@@ -297,6 +297,37 @@ class TieredStore:
             t = self._table(table)
             return t.evict(None if ids is None else _as_ids(ids))
 
+    def delete(self, table: str, ids: IdsLike) -> None:
+        """Delete rows from the model: from every tier, with their optimizer state.
+
+        Afterwards each id is exactly an id never seen: ``read_rows`` and ``make_resident`` give its lazy
+        init row (zero optimizer state), ``iter_rows``, ``flush`` and ``snapshot`` skip it, and a row of it
+        written later (the id trained again) is a new row. Its device slot and host row are freed with no
+        write-back, and the background writer commits the delete (the backend's ``delete_rows``) after
+        the rows queued before it; until then its queue answers "deleted" for the ids, so no read finds
+        a stale row there or in LMDB. A prefetch reading LMDB without the lock meanwhile keeps none of
+        them. Details: docs/tiers.md, "Deleting rows".
+
+        Args:
+            table: table name.
+            ids: int64 ids, any shape; duplicates allowed, ids that have no row are skipped.
+
+        Returns:
+            None: whether an id had a row in LMDB is known only by reading it (a cold read per row),
+            so the count is not taken; ``stats()`` counts the ids deleted (``Tier.SSD``'s ``deleted``).
+
+        Raises:
+            ValueError: an id is pinned by an in-flight batch (between ``make_resident`` and
+                ``release``); nothing is deleted.
+            IdOutOfRangeError: a negative id, or one outside a bounded table.
+        """
+        with self._lock:
+            self._check()
+            t = self._table(table)
+            arr = _as_ids(ids)
+            t.check_ids(arr)
+            t.delete(arr if _strictly_increasing(arr) else np.unique(arr))
+
     def wait_for_writes(self) -> None:
         """Block until every row handed to the background writer so far is committed (no fsync)."""
         with self._lock:
@@ -319,8 +350,9 @@ class TieredStore:
 
     def iter_rows(self, table: str, *, chunk_rows: int = 1 << 16) -> Iterator[RowChunk]:
         """Stream every row that exists on any tier of ``table``, ascending ids, at most ``chunk_rows``
-        ids per chunk, each with its latest value. Memory is bounded by the chunk plus the ids held
-        above LMDB. Rows first created while the iteration runs may or may not appear.
+        ids per chunk, each with its latest value (deleted ids are skipped). Memory is bounded by the
+        chunk plus the ids held above LMDB. Rows first created or deleted while the iteration runs may or
+        may not appear.
         """
         if chunk_rows <= 0:
             raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
@@ -347,7 +379,11 @@ class TieredStore:
                 rows = np.empty((ids.shape[0], t.spec.row_floats), dtype=np.float32)
                 rows[np.searchsorted(ids, disk_ids)] = disk_rows
                 if up.shape[0]:
-                    rows[np.searchsorted(ids, up)] = t.read_latest(up)
+                    exists, up_rows = t.read_existing(up)
+                    rows[np.searchsorted(ids, up)] = up_rows
+                    if not exists.all():  # deleted: LMDB's row, if any, is stale
+                        keep = ~np.isin(ids, up[~exists])
+                        ids, rows = ids[keep], rows[keep]
             if ids.shape[0]:
                 yield row_chunk(t.spec, ids, rows)
             if disk_done and u_end == upper.shape[0]:

@@ -4,7 +4,10 @@ Tiers are exclusive: a row moving up is *taken* from the host arena, and a row e
 goes down to the host arena (always dirty: the trainer may have updated it in place), whose dirty
 victims go to the background writer, whose commits reach LMDB. Reads look top-down — device, host,
 writer (pending), LMDB — and fall back to the lazy initialisation, so the first tier that holds a row
-holds its latest value (docs/design.md, invariant 1). Calls are serialised by the store's lock.
+holds its latest value (docs/design.md, invariant 1). A delete removes an id from every tier at once: the
+device and host drop its row, and the writer holds a delete of it, ordered after the rows queued before
+it, that reads as "never seen" until it commits (docs/tiers.md, "Deleting rows"). Calls are serialised by
+the store's lock.
 """
 
 from __future__ import annotations
@@ -34,14 +37,15 @@ def _no_future() -> list[tuple[int, np.ndarray]]:
 @dataclass(slots=True, eq=False)  # identity: finish_prefetch removes this very plan from the list
 class PrefetchPlan:
     """Ids one prefetch reads from LMDB without the store lock, the rows it already found pending in the
-    writer, and the ids moved down meanwhile."""
+    writer (or made: the init rows of ids with a pending delete), and the ids moved down or deleted
+    meanwhile, whose rows it holds may be stale."""
 
     ids: np.ndarray  # (M,) sorted unique
     epoch: int  # the table's epoch when the plan was made
     # found in the writer's queue (disjoint from ids), with their latest rows
     pending_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # (P,)
     pending_rows: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.float32))  # (P, R)
-    moved_down: list[np.ndarray] = field(default_factory=list)
+    moved: list[np.ndarray] = field(default_factory=list)
 
 
 class TieredTable:
@@ -106,25 +110,35 @@ class TieredTable:
         rows[:, : spec.dim] = weights.numpy()
         return rows
 
-    def _read_below_host(self, ids: np.ndarray, rows: np.ndarray, todo: np.ndarray, count: bool) -> None:
-        """Fill ``rows[todo]`` for sorted ``ids[todo]`` from the writer, LMDB, then the lazy init."""
+    def _read_below_host(
+        self, ids: np.ndarray, rows: np.ndarray, todo: np.ndarray, count: bool
+    ) -> np.ndarray:
+        """Fill ``rows[todo]`` for sorted ``ids[todo]`` from the writer, LMDB, then the lazy init.
+
+        Returns:
+            (K,) positions in ``ids`` that no tier holds, filled with their init rows (an id whose
+            delete is pending among them, whatever LMDB still holds).
+        """
         ssd = self.stats[Tier.SSD]
         sub = ids[todo]
-        found, pending = self._writer.lookup(self.spec.name, sub)
+        found, pending, deleted = self._writer.find(self.spec.name, sub)
         idx = np.flatnonzero(todo)
         if found.any():
             rows[idx[found]] = pending
-        rest = idx[~found]
+        rest = idx[~(found | deleted)]
         start = time.perf_counter()
         on_disk, disk_rows = self._backend.get_rows(self.spec.name, ids[rest])
         rows[rest[on_disk]] = disk_rows
         fresh = rest[~on_disk]
+        if deleted.any():
+            fresh = np.concatenate([fresh, idx[deleted]])
         rows[fresh] = self._init(ids[fresh])
         if count:
             ssd.seconds += time.perf_counter() - start
             ssd.hits += int(found.sum()) + disk_rows.shape[0]
             ssd.misses += fresh.shape[0]
             ssd.add_out(int(found.sum()) + disk_rows.shape[0], self.spec.row_bytes)
+        return fresh
 
     def _spill(self, ids: np.ndarray, rows: np.ndarray, *, indexed: bool = True) -> None:
         """Hand dirty rows to the writer, sorted by id (see ``WriteBehind.submit`` for ``indexed``)."""
@@ -198,7 +212,7 @@ class TieredTable:
         victim_rows = device.read(victims)
         device.deallocate(victims)
         for plan in self._plans:
-            plan.moved_down.append(victim_ids)
+            plan.moved.append(victim_ids)
         stats.evictions += victims.shape[0]
         stats.add_out(victims.shape[0], self.spec.row_bytes)
         self._put_host(victim_ids, victim_rows, dirty=True, future=future)
@@ -252,9 +266,17 @@ class TieredTable:
             plan = PrefetchPlan(ids=todo, epoch=self._epoch)
             self._plans.append(plan)
             return plan
-        found, pending = self._writer.lookup(self.spec.name, todo)
+        found, pending, deleted = self._writer.find(self.spec.name, todo)
+        self.stats[Tier.SSD].hits += int(found.sum())
+        if deleted.any():  # read as never seen: their init rows, made now, not LMDB's stale ones
+            self.stats[Tier.SSD].misses += int(deleted.sum())
+            known = found | deleted
+            made = np.empty((int(known.sum()), self.spec.row_floats), dtype=np.float32)
+            if found.any():
+                made[found[known]] = pending
+            made[deleted[known]] = self._init(todo[deleted])
+            found, pending = known, made
         if found.any():
-            self.stats[Tier.SSD].hits += int(found.sum())
             plan = PrefetchPlan(todo[~found], self._epoch, pending_ids=todo[found], pending_rows=pending)
         else:
             plan = PrefetchPlan(ids=todo, epoch=self._epoch)
@@ -285,15 +307,15 @@ class TieredTable:
         if ids.shape[0] == 0:
             return
         # Drop rows that another call brought up meanwhile, or that went down (the copy we hold may be
-        # older than what the writer now holds).
+        # older than what the writer now holds), or that were deleted (the copy we hold is gone).
         # Unchanged epoch: nothing entered a tier since the plan, so every row is still absent.
         keep = np.ones(ids.shape[0], dtype=bool)
         if plan.epoch != self._epoch:
             keep &= self.host.lookup(ids) < 0
             if self.device is not None:
                 keep &= self.device.lookup(ids) < 0
-        if plan.moved_down:
-            keep &= ~np.isin(ids, np.concatenate(plan.moved_down))
+        if plan.moved:
+            keep &= ~np.isin(ids, np.concatenate(plan.moved))
         if keep.all():
             self._put_host(ids, rows, dirty=False, future=future)
         else:
@@ -311,7 +333,13 @@ class TieredTable:
     # ------------------------------------------------------------------------------ read-through
     def read_latest(self, ids: np.ndarray) -> np.ndarray:
         """(N,) ids (any order, duplicates allowed) -> (N, R) latest rows from the highest tier holding
-        each; never-seen ids read as their lazy init. No side effects."""
+        each; never-seen (and deleted) ids read as their lazy init. No side effects."""
+        return self.read_existing(ids)[1]
+
+    def read_existing(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """As :meth:`read_latest`, with (N,) bool: whether some tier holds the id's row (False for the
+        ids read as their lazy init)."""
+        exists = np.ones(ids.shape[0], dtype=bool)
         rows = np.empty((ids.shape[0], self.spec.row_floats), dtype=np.float32)
         todo = np.ones(ids.shape[0], dtype=bool)
         if self.device is not None and len(self.device):
@@ -323,7 +351,7 @@ class TieredTable:
         pos = self.host.lookup(ids)
         hit = todo & (pos >= 0)
         if hit.all():
-            return self.host.gather(pos)  # the common case of a warm host tier: one gather
+            return exists, self.host.gather(pos)  # the common case of a warm host tier: one gather
         if hit.any():
             rows[hit] = self.host.gather(pos[hit])
         todo &= ~hit
@@ -331,12 +359,48 @@ class TieredTable:
             rest = np.flatnonzero(todo)
             uniq, inverse = np.unique(ids[rest], return_inverse=True)
             below = np.empty((uniq.shape[0], self.spec.row_floats), dtype=np.float32)
-            self._read_below_host(uniq, below, np.ones(uniq.shape[0], dtype=bool), count=False)
+            fresh = self._read_below_host(uniq, below, np.ones(uniq.shape[0], dtype=bool), count=False)
             rows[rest] = below[inverse]
-        return rows
+            if fresh.shape[0]:
+                absent = np.zeros(uniq.shape[0], dtype=bool)
+                absent[fresh] = True
+                exists[rest] = ~absent[inverse]
+        return exists, rows
+
+    def delete(self, ids: np.ndarray) -> None:
+        """Delete (N,) sorted unique ids from every tier (see ``TieredStore.delete``).
+
+        Raises:
+            ValueError: one of them is pinned by an in-flight batch (nothing is deleted).
+        """
+        device = self.device
+        slots = np.empty(0, dtype=np.int64)
+        if device is not None:
+            slots = device.lookup(ids)
+            slots = slots[slots >= 0]
+            pinned = device.pinned_mask()[slots]
+            if pinned.any():
+                raise ValueError(
+                    f"table {self.spec.name!r}: cannot delete ids pinned by an in-flight batch: "
+                    f"{device.ids[slots[pinned]][:8].tolist()}"
+                )
+        # First the delete, ordered after every row the writer holds, then the copies above it. Until it
+        # commits, the writer answers "deleted" for the ids, so no read reaches LMDB's stale rows.
+        self._writer.submit_delete(self.spec.name, ids)
+        if device is not None and slots.shape[0]:
+            device.deallocate(slots)  # no write-back: the row is gone
+            self.stats[Tier.DEVICE].deleted += slots.shape[0]
+        pos = self.host.lookup(ids)
+        pos = pos[pos >= 0]
+        if pos.shape[0]:
+            self.host.drop(pos)
+            self.stats[Tier.HOST].deleted += pos.shape[0]
+        for plan in self._plans:  # a prefetch reading without the lock must not bring them back
+            plan.moved.append(ids)
+        self.stats[Tier.SSD].deleted += ids.shape[0]
 
     def upper_ids(self) -> np.ndarray:
-        """Sorted unique ids held above LMDB (device, host, writer queue)."""
+        """Sorted unique ids held above LMDB (device, host, writer queue: its deletes' ids included)."""
         parts = [self.host.resident_ids(), self._writer.pending_ids(self.spec.name)]
         if self.device is not None:
             parts.append(self.device.resident_ids())

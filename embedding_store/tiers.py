@@ -107,11 +107,12 @@ class HostTier(_Positions):
     def take(self, pos: np.ndarray) -> np.ndarray:
         """Remove (N,) distinct positions and return their (N, R) rows."""
         rows = self.gather(pos)
-        self._drop(pos)
+        self.drop(pos)
         return rows
 
-    def _drop(self, pos: np.ndarray) -> None:
-        """Empty (N,) distinct positions without reading their rows."""
+    def drop(self, pos: np.ndarray) -> None:
+        """Empty (N,) distinct positions without reading their rows, dirty or not (nothing is written
+        back: the caller spills the dirty rows it keeps, and a deleted row is gone)."""
         self.dirty[pos] = False
         self.deallocate(pos)
 
@@ -139,7 +140,7 @@ class HostTier(_Positions):
             dirty_victims = victims[self.dirty[victims]]
             spill_ids.append(self.ids[dirty_victims])
             spill_rows.append(self.gather(dirty_victims))
-            self._drop(victims)
+            self.drop(victims)
         if ids.shape[0]:
             pos = self.allocate(ids)
             if pos[-1] - pos[0] == pos.shape[0] - 1 and (np.diff(pos) == 1).all():  # one contiguous block

@@ -1,7 +1,10 @@
 """The background writer: batches dirty rows evicted from the host tier into the backend's transactions.
 
-Rows handed to :meth:`WriteBehind.submit` stay readable through :meth:`WriteBehind.lookup` until their
-transaction has committed (read-your-writes), newest submission first. The writer indexes what it holds
+Rows handed to :meth:`WriteBehind.submit` stay readable through :meth:`WriteBehind.find` until their
+transaction has committed (read-your-writes), newest submission first. Deletes
+(:meth:`WriteBehind.submit_delete`) go through the same queue, committed with ``delete_rows`` after the
+rows submitted before them; until then ``find`` answers "deleted" for their ids (a tombstone), and a
+later submission of an id wins over it. The writer indexes what it holds
 (an id -> newest pending copy hash per table), so a lookup costs no pass over every pending submission
 (dozens while the writer gathers a transaction). A failed commit stops the writer;
 the rows stay pending (still readable) and every later ``submit``/``drain``/``check`` raises the failure
@@ -30,7 +33,7 @@ __all__ = ["WriteBehind", "WriterSettings"]
 class _Pending:
     table: str
     ids: np.ndarray  # (N,) int64, sorted, unique
-    rows: np.ndarray  # (N, R) float32
+    rows: np.ndarray | None  # (N, R) float32; None: a delete of the ids
     done: int = 0  # leading rows already committed (a large submission goes in several transactions)
     submitted: float = 0.0  # time.monotonic() of the submit
 
@@ -85,6 +88,7 @@ class WriteBehind:
         self._stop = False
         self.commits = 0
         self.rows_written = 0
+        self.ids_deleted = 0  # ids of committed deletes (present or not)
         self.seconds = 0.0
         # The index of the pending rows, touched by the callers only (never by the writer thread). The
         # writer commits rows in submission order, so the first ``_submitted - pending_rows`` rows
@@ -98,7 +102,7 @@ class WriteBehind:
 
     @property
     def pending_rows(self) -> int:
-        """Rows submitted but not yet committed."""
+        """Rows submitted but not yet committed (a pending delete counts its ids)."""
         return self._pending_rows
 
     def check(self) -> None:
@@ -117,7 +121,20 @@ class WriteBehind:
         """
         if ids.shape[0] == 0:
             return
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        self._submit(table, ids, np.ascontiguousarray(rows, dtype=np.float32), indexed=indexed)
+
+    def submit_delete(self, table: str, ids: np.ndarray) -> None:
+        """Queue a delete of (N,) sorted unique ids (absent ones are skipped when it commits).
+
+        It commits with the backend's ``delete_rows`` after every submission made before it, and before
+        any made after it; until then :meth:`find` answers "deleted" for the ids, unless a later
+        submission holds them.
+        """
+        if ids.shape[0] == 0:
+            return
+        self._submit(table, ids, None, indexed=True)
+
+    def _submit(self, table: str, ids: np.ndarray, rows: np.ndarray | None, *, indexed: bool) -> None:
         with self._index_lock:
             pending = self._index.get(table)
             if pending is None:
@@ -133,7 +150,7 @@ class WriteBehind:
     def _committed(self) -> int:
         return self._submitted - self._pending_rows
 
-    def _enqueue(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+    def _enqueue(self, table: str, ids: np.ndarray, rows: np.ndarray | None) -> None:
         with self._cond:
             self._cond.wait_for(
                 lambda: self._error is not None or self._pending_rows < self._max_pending_rows or self._stop
@@ -145,41 +162,66 @@ class WriteBehind:
             self._pending_rows += ids.shape[0]
             self._cond.notify_all()
 
-    def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Newest pending rows of (N,) ids: ((N,) bool found, (F, R) rows of the found ids in query order)."""
+    def find(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The newest pending operation on each of (N,) ids.
+
+        Returns:
+            (N,) bool found: its newest is a row; (F, R) the rows of the found ids in query order;
+            (N,) bool deleted: its newest is a delete (the id must read as never seen, whatever the
+            backend still holds).
+        """
         with self._index_lock:
             committed = self._committed()
             if committed < self._unindexed_end:
-                return self.lookup_queue(table, ids)
+                return self.find_in_queue(table, ids)
             pending = self._index.get(table)
             if pending is not None:
                 pending.drop_committed(committed)
             if pending is None or not pending.entries or ids.shape[0] == 0:
-                return np.zeros(ids.shape[0], dtype=bool), np.empty((0, 0), dtype=np.float32)
+                none = np.zeros(ids.shape[0], dtype=bool)
+                return none, np.empty((0, 0), dtype=np.float32), none
             return pending.lookup(ids)
 
+    def lookup(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Newest pending rows of (N,) ids: ((N,) bool found, (F, R) rows of the found ids in query order).
+
+        An id whose newest pending operation is a delete is not found: :meth:`find` tells it apart.
+        """
+        found, rows, _ = self.find(table, ids)
+        return found, rows
+
     def lookup_queue(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`lookup` by a pass over the queue, newest submission first (without the index)."""
+        """:meth:`lookup` by a pass over the queue (without the index)."""
+        found, rows, _ = self.find_in_queue(table, ids)
+        return found, rows
+
+    def find_in_queue(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`find` by a pass over the queue, newest submission first (without the index)."""
         found = np.zeros(ids.shape[0], dtype=bool)
+        deleted = np.zeros(ids.shape[0], dtype=bool)
         with self._cond:
             entries = [e for e in self._pending if e.table == table]
         out: np.ndarray | None = None
         for entry in reversed(entries):  # newest first
             pos = np.searchsorted(entry.ids, ids).clip(max=entry.ids.shape[0] - 1)
-            hit = ~found & (entry.ids[pos] == ids)
-            if hit.any():
+            hit = ~(found | deleted) & (entry.ids[pos] == ids)
+            if not hit.any():
+                continue
+            if entry.rows is None:
+                deleted |= hit
+            else:
                 if out is None:
                     out = np.empty((ids.shape[0], entry.rows.shape[1]), dtype=np.float32)
                 out[hit] = entry.rows[pos[hit]]
                 found |= hit
-                if found.all():
-                    break
+            if (found | deleted).all():
+                break
         if out is None:
-            return found, np.empty((0, 0), dtype=np.float32)
-        return found, out[found]
+            return found, np.empty((0, 0), dtype=np.float32), deleted
+        return found, out[found], deleted
 
     def pending_ids(self, table: str) -> np.ndarray:
-        """(K,) ids of ``table`` waiting to be committed (may repeat)."""
+        """(K,) ids of ``table`` waiting to be committed, deletes' included (may repeat)."""
         with self._cond:
             parts = [e.ids for e in self._pending if e.table == table]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
@@ -215,21 +257,15 @@ class WriteBehind:
                 self._wait_for_work()
                 if not self._pending:
                     return  # stopped and drained
-                batch: list[_Pending] = []  # slices of the leftmost entries, at most batch_rows rows
-                rows = 0
-                for entry in self._pending:
-                    take = min(entry.ids.shape[0] - entry.done, self._batch_rows - rows)
-                    if take <= 0:
-                        break
-                    end = entry.done + take
-                    batch.append(
-                        _Pending(entry.table, entry.ids[entry.done : end], entry.rows[entry.done : end])
-                    )
-                    rows += take
+                batch = self._next_batch()
+                rows = sum(part.ids.shape[0] for part in batch)
                 self._in_flight = len(batch)
             start = time.perf_counter()
             try:
-                self._backend.put_rows(_merge(batch))
+                if batch[0].rows is None:  # a delete: alone, after the rows submitted before it
+                    self._backend.delete_rows(batch[0].table, batch[0].ids)
+                else:
+                    self._backend.put_rows(_merge(batch))
             except BaseException as err:  # noqa: BLE001 - surfaced to callers by check()
                 with self._cond:
                     self._error = err
@@ -245,9 +281,30 @@ class WriteBehind:
                 self._pending_rows -= rows
                 self._in_flight = 0
                 self.commits += 1
-                self.rows_written += rows
+                if batch[0].rows is None:
+                    self.ids_deleted += rows
+                else:
+                    self.rows_written += rows
                 self.seconds += time.perf_counter() - start
                 self._cond.notify_all()
+
+    def _next_batch(self) -> list[_Pending]:
+        """Under the lock, with something pending: the next transaction's slices of the leftmost entries,
+        at most batch_rows rows; or the leftmost entry alone when it is a delete (rows after a delete wait
+        for it)."""
+        head = self._pending[0]
+        if head.rows is None:
+            return [head]
+        batch: list[_Pending] = []
+        rows = 0
+        for entry in self._pending:
+            take = min(entry.ids.shape[0] - entry.done, self._batch_rows - rows)
+            if take <= 0 or entry.rows is None:
+                break
+            end = entry.done + take
+            batch.append(_Pending(entry.table, entry.ids[entry.done : end], entry.rows[entry.done : end]))
+            rows += take
+        return batch
 
     def close(self) -> None:
         """Commit what is pending, stop the thread, and raise a failure if one happened."""
@@ -341,7 +398,7 @@ class _TablePending:
 
     def __init__(self) -> None:
         self.entries: deque[tuple[int, np.ndarray]] = deque()  # (first row number, ids)
-        self.rows: list[np.ndarray] = []  # (n, R) rows of each entry
+        self.rows: list[np.ndarray | None] = []  # (n, R) rows of each entry; None for a delete
         self.firsts = np.empty(0, dtype=np.int64)  # (E,) first row number of each entry
         self._resize(1 << 10)
 
@@ -351,7 +408,7 @@ class _TablePending:
         self.shift = 64 - (size.bit_length() - 1)
         self.used = 0  # cells not empty (live keys and tombstones)
 
-    def add(self, first: int, ids: np.ndarray, rows: np.ndarray) -> None:
+    def add(self, first: int, ids: np.ndarray, rows: np.ndarray | None) -> None:
         n = ids.shape[0]
         if 2 * (self.used + n) > self.keys.shape[0]:  # rebuild at a load of at most 1/4
             keys, vals = self.keys, self.vals
@@ -373,33 +430,51 @@ class _TablePending:
             self.rows.pop(0)
             self.firsts = self.firsts[1:]
 
-    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(N,) ids -> ((N,) found a row, (F, R) the rows found, (N,) found a delete), as ``find``."""
         number = _hash_get(self.keys, self.vals, np.ascontiguousarray(ids, dtype=np.int64), self.shift)
         found = number >= 0
+        deleted = np.zeros(ids.shape[0], dtype=bool)
         if not found.any():
-            return found, np.empty((0, 0), dtype=np.float32)
+            return found, np.empty((0, 0), dtype=np.float32), deleted
         number = number[found]
         entry = np.searchsorted(self.firsts, number, side="right") - 1
         first = int(entry[0])
+        rows = self.rows[first]
         if first == entry[-1] and (entry == first).all():  # one entry holds them all
-            return found, self.rows[first][number - self.firsts[first]]
-        out = np.empty((number.shape[0], self.rows[first].shape[1]), dtype=np.float32)
-        for e in np.unique(entry).tolist():  # the entries holding the rows: a few, mostly the newest
-            sel = np.flatnonzero(entry == e)
-            out[sel] = self.rows[e][number[sel] - self.firsts[e]]
-        return found, out
+            if rows is None:  # a delete: every id found is deleted
+                return np.zeros_like(found), np.empty((0, 0), dtype=np.float32), found
+            return found, rows[number - self.firsts[first]], deleted
+        parts = np.unique(entry).tolist()  # the entries holding the ids: a few, mostly the newest
+        gone = np.zeros(number.shape[0], dtype=bool)  # (F0,) over the ids with an entry
+        for e in parts:
+            if self.rows[e] is None:
+                gone |= entry == e
+        if gone.any():
+            deleted[np.flatnonzero(found)[gone]] = True
+            found[deleted] = False
+            number, entry = number[~gone], entry[~gone]
+        width = next((r.shape[1] for r in self.rows if r is not None), 0)
+        out = np.empty((number.shape[0], width), dtype=np.float32)
+        for e in parts:
+            part = self.rows[e]
+            if part is not None:
+                sel = np.flatnonzero(entry == e)
+                out[sel] = part[number[sel] - self.firsts[e]]
+        return found, out, deleted
 
 
 def _merge(batch: list[_Pending]) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """One sorted, duplicate-free write per table; a later submission of an id wins."""
+    """One sorted, duplicate-free write per table of a batch of rows (no delete); a later submission of
+    an id wins."""
     out = []
     for table in dict.fromkeys(e.table for e in batch):
-        entries = [e for e in batch if e.table == table]
+        entries = [(e.ids, e.rows) for e in batch if e.table == table and e.rows is not None]
         if len(entries) == 1:
-            out.append((table, entries[0].ids, entries[0].rows))
+            out.append((table, *entries[0]))
             continue
-        ids = np.concatenate([e.ids for e in entries])
-        rows = np.concatenate([e.rows for e in entries])
+        ids = np.concatenate([i for i, _ in entries])
+        rows = np.concatenate([r for _, r in entries])
         # Reverse so the newest copy comes first; np.unique keeps the first occurrence.
         uniq, first = np.unique(ids[::-1], return_index=True)
         out.append((table, uniq, rows[::-1][first]))

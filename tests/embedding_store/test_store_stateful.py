@@ -1,7 +1,8 @@
 """Hypothesis drives the store against a dict reference (docs/design.md, invariants 1, 2 and 6).
 
 Random sequences of lookahead / prefetch / make_resident / in-place updates of the bound slot tensors /
-release / flush / close+reopen, on tiny capacities that force constant eviction through every tier.
+release / evict / delete / flush / close+reopen, on tiny capacities that force constant eviction through
+every tier.
 Every row the store exposes — in the slot table after make_resident, through read_rows, through
 iter_rows, after reopening — must equal the reference bit for bit.
 """
@@ -80,6 +81,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.ref: dict[str, dict[int, np.ndarray]] = {t.name: {} for t in TABLES}
         self.resident_ever: dict[str, set[int]] = {t.name: set() for t in TABLES}
         self.announced_ever: dict[str, set[int]] = {t.name: set() for t in TABLES}
+        # deleted and not prefetched or made resident since: on no tier
+        self.gone: dict[str, set[int]] = {t.name: set() for t in TABLES}
         self.next_batch = 0
         self.announced: dict[int, dict[str, list[int]]] = {}
         self.in_flight: dict[int, dict[str, np.ndarray]] = {}  # batch -> table -> slots
@@ -124,7 +127,14 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.announced)
     @rule(data=st.data())
     def prefetch(self, data):
-        self.store.prefetch(self._pick(data, self.announced))
+        batch = self._pick(data, self.announced)
+        self.store.prefetch(batch)
+        self._touched(batch)
+
+    def _touched(self, batch: int) -> None:
+        """A prefetch or make_resident of ``batch`` may park its ids' rows (init rows included)."""
+        for name, ids in self.announced[batch].items():
+            self.gone[name].difference_update(ids)
 
     @precondition(
         lambda self: len(self.in_flight) < MAX_IN_FLIGHT and set(self.announced) - set(self.in_flight)
@@ -136,6 +146,7 @@ class StoreMachine(RuleBasedStateMachine):
     def announced_batch_resident(self, batch: int) -> None:
         ids = self.announced[batch]
         slots = self.store.make_resident(batch, {k: np.array(v, dtype=np.int64) for k, v in ids.items()})
+        self._touched(batch)
         self.in_flight[batch] = {k: v.numpy() for k, v in slots.items()}
         for spec in TABLES:
             weights, state = self.tensors[spec.name]
@@ -177,6 +188,7 @@ class StoreMachine(RuleBasedStateMachine):
         batch = self._announce(picks)
         if prefetch:
             self.store.prefetch(batch)
+            self._touched(batch)
         self.announced_batch_resident(batch)
         self._update(batch, salt)
         self.store.release(batch)
@@ -195,6 +207,24 @@ class StoreMachine(RuleBasedStateMachine):
             return
         ids = [ID_POOL[name][p] for p in picks if ID_POOL[name][p] not in pinned]
         self.store.evict(name, np.array(ids, dtype=np.int64))
+
+    @rule(
+        name=st.sampled_from([t.name for t in TABLES]),
+        picks=st.lists(st.integers(0, 23), min_size=1, max_size=4),
+    )
+    def delete(self, name, picks):
+        """Rows leave the model from every tier: afterwards each id reads as never seen."""
+        ids = [ID_POOL[name][p] for p in picks]
+        pinned = {i for b in self.in_flight for i in self.announced[b][name]}
+        if pinned & set(ids):
+            with pytest.raises(ValueError, match="pinned by an in-flight batch"):
+                self.store.delete(name, np.array(ids, dtype=np.int64))
+            return  # and nothing changed: the reference stays as it is
+        self.store.delete(name, np.array(ids, dtype=np.int64))
+        for i in ids:
+            self.ref[name].pop(i, None)
+            self.resident_ever[name].discard(i)
+            self.gone[name].add(i)
 
     @rule()
     def flush(self):
@@ -222,6 +252,7 @@ class StoreMachine(RuleBasedStateMachine):
             ids = np.concatenate([c.ids.numpy() for c in chunks]) if chunks else np.empty(0, np.int64)
             assert (np.diff(ids) > 0).all(), "iter_rows must be strictly ascending"
             assert self.resident_ever[spec.name] <= set(ids.tolist()) <= self.announced_ever[spec.name]
+            assert not self.gone[spec.name] & set(ids.tolist()), "a deleted id is still streamed"
             got = (
                 np.concatenate([packed_at(c.weights, c.state, slice(None)) for c in chunks])
                 if chunks
