@@ -19,6 +19,8 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from tqdm import tqdm
 
 from pipelines import StagedPipeline
+from recsys.bounded import default_id
+from recsys.bounded_memory import InMemoryBounds
 from recsys.capacities import Capacities, mismatch_warning
 from recsys.capacity_advice import SlotsAdvice
 from recsys.config import RunConfig
@@ -86,6 +88,7 @@ class ModelParts:
         dense_optimizer: the dense part of it.
         capacities: the tiers' sizes per tiered feature (empty without tiers).
         tiered: the tier binding, or None when no table is tiered.
+        bounded: the in-memory bounded tables' binding (bounds without tiers), else None.
     """
 
     data: Dataset
@@ -96,6 +99,7 @@ class ModelParts:
     dense_optimizer: Any
     capacities: Capacities
     tiered: TieredTables | None
+    bounded: InMemoryBounds | None = None
 
 
 def fold_ids(batch: Batch, modulus: list[int]) -> Batch:
@@ -165,6 +169,21 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         0 if f in tiered or space <= rows else rows
         for f, space, rows in zip(features, data.id_spaces, num_embeddings, strict=True)
     ]
+    try:
+        rules = cfg.store.bounds_rules(features)
+    except ValueError as err:
+        raise UserError(f"store.{err}") from None
+    # a bounded table's default row: the id past its ids (tiered: its id space; in memory: its rows)
+    spaces = dict(zip(features, data.id_spaces, strict=True))
+    default_ids = {
+        table_name(f): default_id(spaces[f] if f in tiered else rows)
+        for f, rows in zip(features, num_embeddings, strict=True)
+        if f in rules
+    }
+    num_embeddings = [
+        rows + 1 if f in rules and f not in tiered else rows
+        for f, rows in zip(features, num_embeddings, strict=True)
+    ]
     if env.is_main:
         _warn_folded(cfg, features, data.id_spaces, fold)
     tables = table_configs(features, dim=cfg.model.table_dim, num_embeddings=num_embeddings)
@@ -190,12 +209,24 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         plan = TierPlan.from_config(
             cfg,
             id_spaces={
-                table_name(f): n for f, n in zip(features, data.id_spaces, strict=True) if f in tiered
+                table_name(f): min(n + 1, 1 << 63) if f in rules else n
+                for f, n in zip(features, data.id_spaces, strict=True)
+                if f in tiered
             },
             capacities=capacities,
             path=store_path,
+            bounds=({table_name(f): r for f, r in rules.items()}, default_ids),
         )
         binding = spec.tables(dmp, tables, plan=plan)
+    bounded = None
+    if rules and not tiered:
+        bounded = InMemoryBounds(
+            dmp,
+            [t for t in tables if t.feature_names[0] in rules],
+            ({table_name(f): r for f, r in rules.items()}, default_ids),
+            cfg.sparse.sharding is ShardingKind.ROW_WISE,
+            (cfg.train.seed, cfg.sparse.init_scale),
+        )
     return ModelParts(
         data=data,
         fold=fold,
@@ -205,6 +236,7 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         dense_optimizer=optimizer.optimizers[1][1],
         capacities=capacities,
         tiered=binding,
+        bounded=bounded,
     )
 
 

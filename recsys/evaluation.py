@@ -82,6 +82,8 @@ class Evaluator:
             batch = fold_ids(batch, p.fold)
             if p.tiered is not None:
                 batch = p.tiered.remap(EVAL_BATCH_BASE + index, batch, channel=EVAL)
+            elif p.bounded is not None:
+                batch = p.bounded.remap(EVAL_BATCH_BASE + index, batch, channel=EVAL)
             _, (_, out, lab) = p.dmp(batch.to(env.device))
             if p.tiered is not None:
                 p.tiered.release(EVAL_BATCH_BASE + index)

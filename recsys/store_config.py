@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from embedding_store import PolicyKind
 from embedding_store.config import LOOKAHEAD_BATCHES
+from recsys.bounds_config import TableBoundsConfig, split_bounds
 from recsys.errors import UserError
 from recsys.table_names import feature_of
+
+if TYPE_CHECKING:
+    from embedding_store.bounds import BoundsRule
 
 __all__ = [
     "StoreSection",
@@ -105,6 +111,10 @@ class StoreSection:
             store fits in memory; the pages count toward RSS); N > 0 drops the mapping's pages after every N
             rows read or written (the page cache keeps them), which bounds RSS for a store larger than RAM
             (``embedding_store.LmdbOptions.unmap_every_rows``).
+        bounds: admission, expiry and a row cap for the tables of ``tables`` (all when empty), tiered or
+            not (:mod:`recsys.bounds_config`): ``admit_after``, ``admit_window_steps``,
+            ``expire_after_steps``, ``max_rows`` for every such table, a sub-table per feature for one.
+            Empty: no bounds, every id keeps its row forever.
     """
 
     tiered: bool = False
@@ -118,8 +128,10 @@ class StoreSection:
     capacities_from: str = ""
     max_lmdb_bytes: int = 0
     unmap_every_rows: int = 0
+    bounds: dict[str, TableBoundsConfig | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.bounds_rules(())  # validates [store.bounds]
         if self.unmap_every_rows < 0:
             raise ValueError(
                 f"unmap_every_rows must be 0 (off) or a positive number of rows, got {self.unmap_every_rows}"
@@ -134,6 +146,39 @@ class StoreSection:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
         if len(set(self.tables)) != len(self.tables):
             raise ValueError(f"tables must be distinct, got {list(self.tables)}")
+
+    def bounds_rules(self, features: Sequence[str]) -> dict[str, BoundsRule]:
+        """The active bounds rule of each of ``features`` that ``[store.bounds]`` bounds (a feature of
+        ``tables``, or any when ``tables`` is empty); none when the section is empty.
+
+        Raises:
+            ValueError: a key or value of ``[store.bounds]`` is invalid, or it names an unknown feature
+                (checked when ``features`` is given).
+        """
+        if not self.bounds:
+            return {}
+        from embedding_store.bounds import BoundsRule
+
+        common, per_feature = split_bounds(self.bounds)
+        unknown = sorted(set(per_feature) - set(features)) if features else []
+        if unknown:
+            raise ValueError(f"bounds names unknown features {unknown}; features are {list(features)}")
+        out = {}
+        for feature in ["", *(features or per_feature)]:  # "": the section's own keys
+            values = common | (per_feature[feature].values() if feature in per_feature else {})
+            try:
+                rule = BoundsRule(**values)
+            except ValueError as err:
+                where = f"bounds.{feature}" if feature in per_feature else "bounds"
+                raise ValueError(f"{where}: {str(err).removeprefix('BoundsRule.')}") from None
+            if (
+                feature
+                and feature in features
+                and rule.active
+                and (not self.tables or feature in self.tables)
+            ):
+                out[feature] = rule
+        return out
 
 
 def load_tune(path: str | Path) -> dict[str, dict[str, object]]:

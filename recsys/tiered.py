@@ -23,7 +23,7 @@ directory, lock, restores and close) is :class:`recsys.tier_shard.TierShard`'s, 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,9 @@ from embedding_store import (
     TieredStore,
     num_embeddings_for,
 )
+from embedding_store.bounds import BoundsRule
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
+from recsys.bounded import DEFAULT, BoundedTables
 from recsys.capacities import Capacities
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
@@ -84,11 +86,13 @@ class RoutedBatch:
     batch: Batch
     channel: str
     ids: RoutedIds
+    removed: dict[str, np.ndarray] = field(default_factory=dict)  # bounded tables' rows leaving first
 
     @property
     def owner_ids(self) -> dict[str, torch.Tensor]:
-        """Per table this rank holds, the ids of the batch it owns (see :class:`RoutedIds`)."""
-        return self.ids.owner_ids
+        """Per table this rank holds, the ids of the batch it owns that have rows here (see
+        :class:`RoutedIds`; a bounded table's ids that read the default row are left out)."""
+        return {name: ids[ids != DEFAULT] for name, ids in self.ids.owner_ids.items()}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -105,6 +109,9 @@ class TierPlan:
         row_wise: tables are sharded row-wise (else table-wise).
         path: this job's store directory; rank r keeps its LMDB in ``path/rank_r``, locked by
             ``path/rank_r.lock`` while the tables are open.
+        bounds: the bounded tables' rules (:mod:`recsys.bounded`); their ``id_spaces`` include the
+            default row.
+        default_ids: each bounded table's default row id.
     """
 
     id_spaces: dict[str, int]
@@ -114,10 +121,18 @@ class TierPlan:
     init_scale: float
     row_wise: bool
     path: Path
+    bounds: dict[str, BoundsRule] = field(default_factory=dict)
+    default_ids: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_config(
-        cls, config: RunConfig, *, id_spaces: dict[str, int], capacities: Capacities, path: Path
+        cls,
+        config: RunConfig,
+        *,
+        id_spaces: dict[str, int],
+        capacities: Capacities,
+        path: Path,
+        bounds: tuple[dict[str, BoundsRule], dict[str, int]] = ({}, {}),
     ) -> TierPlan:
         """The plan of ``config``'s ``[store]`` and ``[sparse]`` sections for these tables."""
         section, sparse = config.store, config.sparse
@@ -136,6 +151,8 @@ class TierPlan:
             init_scale=sparse.init_scale,
             row_wise=sparse.sharding is ShardingKind.ROW_WISE,
             path=path,
+            bounds=bounds[0],
+            default_ids=bounds[1],
         )
 
 
@@ -198,6 +215,8 @@ class TieredTables:
             for name in sorted(shards)
         ]
         self.lookahead = plan.store.lookahead_batches  # batches the routing stage runs ahead
+        held_bounded = {n for n in shards if n in plan.bounds}
+        self.bounded = BoundedTables(plan.bounds, plan.default_ids, held_bounded) if plan.bounds else None
         # Last: nothing after the claim (collective) can fail, so no path leaves the lock held.
         directory = claim_shard(plan.path / f"rank_{self.rank}", exchange=world, world_size=self.world_size)
         self.shard = TierShard(directory, config=plan.store, tables=specs, slots=shards, owns=self._owns)
@@ -249,8 +268,21 @@ class TieredTables:
         """
         values = values_by_feature(batch.sparse)
         ids = {name: values[self.feature[name]] for name in self.names}
-        routed = self._router.route(ids, self._exchanges[channel][0])
-        return RoutedBatch(batch_id, batch, channel, routed)
+        if self.bounded is not None:  # every batch routes each default row once: its slot comes back last
+            for name, d in self.bounded.default_ids.items():
+                ids[name] = torch.cat([ids[name], torch.tensor([d], dtype=torch.int64)])
+        train = channel == TRAIN
+        routed = self._router.route(
+            ids, self._exchanges[channel][0], counts=self.bounded is not None and train
+        )
+        removed: dict[str, np.ndarray] = {}
+        if self.bounded is not None and train:
+            assert routed.owner_counts is not None
+            decided = self.bounded.decide(batch_id, routed.owner_ids, routed.owner_counts)
+            routed.owner_ids, removed = decided.owner_ids, decided.removed
+        elif self.bounded is not None:
+            routed.owner_ids = self.bounded.lookup(routed.owner_ids)
+        return RoutedBatch(batch_id, batch, channel, routed, removed)
 
     def announce(self, routed: RoutedBatch) -> None:
         """Tell the store which rows this batch will need (lookahead and prefetch planning)."""
@@ -266,9 +298,22 @@ class TieredTables:
         """Make the batch's rows resident and pinned, return slot ids to their senders, rewrite the KJT."""
         slots: dict[str, torch.Tensor] = {}
         if self.store is not None:
+            for name, gone in routed.removed.items():
+                if gone.shape[0]:
+                    self.store.delete(name, gone)  # before the batch: a re-admitted id starts fresh
             local = self.store.make_resident(routed.batch_id, routed.owner_ids)
-            slots = {name: s + self.row_offset[name] for name, s in local.items()}
+            for name, s in local.items():
+                owned = routed.ids.owner_ids[name]
+                if s.shape[0] == owned.shape[0]:
+                    slots[name] = s + self.row_offset[name]
+                else:  # DEFAULT stays where the default row goes
+                    slots[name] = torch.full_like(owned, DEFAULT)
+                    slots[name][owned != DEFAULT] = s + self.row_offset[name]
         value_slots = self._router.return_slots(routed.ids, slots, self._exchanges[routed.channel][1])
+        if self.bounded is not None:
+            for name in self.bounded.default_ids:
+                got = value_slots[name]
+                value_slots[name] = torch.where(got[:-1] == DEFAULT, got[-1], got[:-1])
         kjt = routed.batch.sparse
         values = values_by_feature(kjt)
         for name in self.names:

@@ -82,7 +82,7 @@ class Trainer:
         self.parts = parts
         self.data, self.fold, self.tables = parts.data, parts.fold, parts.tables
         self.dmp, self.optimizer, self.dense_optimizer = parts.dmp, parts.optimizer, parts.dense_optimizer
-        self.capacities, self.tiered = parts.capacities, parts.tiered
+        self.capacities, self.tiered, self.bounded = parts.capacities, parts.tiered, parts.bounded
         # The run's progress: advanced by the loop (recsys.loop), loaded by a restore.
         self.state = TrainState(
             selection=BestTracker(select=config.eval.select, patience=config.eval.patience)
@@ -133,6 +133,9 @@ class Trainer:
             start_step=start,
         )
         source = fold_source(batches, self.fold, start, stop)
+        if self.tiered is None and self.bounded is not None:
+            bounded = self.bounded
+            return (bounded.remap(step, batch) for step, batch in source), None
         if self.tiered is None:
             return (batch for _, batch in source), None
         feed = self.spec.feed(

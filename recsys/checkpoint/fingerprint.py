@@ -28,11 +28,12 @@ def model_fingerprint(config: RunConfig) -> dict[str, Any]:
     The rule: a key is in when resuming under another value would silently train another model than the
     one the checkpoint continues. In: every key of ``[model]`` and ``[sparse]``; ``train.seed``,
     ``train.batch_size`` (global), ``train.dense_optimizer`` and ``train.dense_learning_rate``;
-    ``data.source``; and, when it is ``synthetic``, every key of ``[synthetic]`` but ``eval_samples``.
+    ``data.source``; ``store.bounds``; and, when it is ``synthetic``, every key of ``[synthetic]`` but
+    ``eval_samples``.
     Out: ``train.steps`` (a run may be extended on resume), ``train.nproc`` (resuming on another number of
     ranks re-partitions), the logging, checkpointing, threading and timeout keys; where the data lives
     (``data.path``, ``data.cache_dir``) and ``data.on_error`` (switching to ``skip`` after a run stopped at
-    a bad line trains on the same rows so far); ``[store]`` and ``[pipeline]`` (where rows live and how
+    a bad line trains on the same rows so far); the rest of ``[store]`` and ``[pipeline]`` (where rows live and how
     batches are fed: tiered tables train the same model as in-memory tables that hold every id, and
     ``pipeline.frozen_windows`` changes rounding only) and ``[eval]`` (evaluation never updates the
     model). Keys added to a section later are in unless listed in ``_NOT_MODEL``. Values are JSON-safe:
@@ -44,6 +45,7 @@ def model_fingerprint(config: RunConfig) -> dict[str, Any]:
         if section == "synthetic" and config.data.source != "synthetic":
             continue  # the dataset spec, not this section, describes the data
         out |= {f"{section}.{key}": v for key, v in tree[section].items() if key not in excluded}
+    out["store.bounds"] = tree["store"]["bounds"]  # admission, expiry and the cap decide which rows exist
     return out
 
 
