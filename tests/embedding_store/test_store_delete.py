@@ -218,6 +218,28 @@ def test_a_delete_during_a_prefetchs_unlocked_read_is_not_undone(tmp_path) -> No
     run.store.close()
 
 
+def test_deletes_racing_prefetches_in_another_thread_match_the_reference(tmp_path) -> None:
+    """The pipeline's shape, with deletes: batch i trains and ids are deleted while a later batch is
+    prefetched by another thread; every row read equals the reference."""
+    run = _Run(tmp_path / "store", host_rows=4)
+    rng = np.random.default_rng(1)
+    pool = np.arange(1, 25)
+    for step in range(150):
+        ahead = 1000 + step  # announced for the prefetch only
+        run.store.lookahead(ahead, {"t": torch.from_numpy(rng.choice(pool, 6, replace=False))})
+        prefetch = threading.Thread(target=run.store.prefetch, args=(ahead,))
+        prefetch.start()
+        run.delete(rng.choice(pool, 3, replace=False).tolist())
+        run.train(sorted(rng.choice(pool, 5, replace=False).tolist()))
+        if step % 3 == 0:
+            run.store.evict("t")  # rows go down through the host to the writer and the disk
+        prefetch.join(10)
+        got = run.store.read_rows("t", torch.from_numpy(pool))
+        want = run.expected(pool.tolist())
+        assert (bits(packed_at(got.weights, got.state, slice(None))) == bits(want)).all(), step
+    run.store.close()
+
+
 def test_a_prefetch_after_a_queued_delete_reads_init_rows_not_the_stale_disk_ones(tmp_path) -> None:
     run = _Run(tmp_path / "store", host_rows=8)
     run.train(GONE + KEPT)
