@@ -21,13 +21,14 @@ the tables as they are: an id without a row reads the default row.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from embedding_store.bounds import BoundsRule, TableBounds
+from embedding_store.bounds_state import merge_states, split_state
 from embedding_store.config import MAX_ID
 
 __all__ = ["DEFAULT", "BoundedStep", "BoundedTables", "default_id"]
@@ -127,6 +128,36 @@ class BoundedTables:
             prefix = f"{name}/"
             part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             self.tables[name] = TableBounds.from_state(rule, part) if part else TableBounds(rule)
+
+    def restore(
+        self,
+        saved: list[Mapping[str, np.ndarray]],
+        owns: Callable[[str, np.ndarray], np.ndarray],
+        *,
+        totals: bool = True,
+    ) -> None:
+        """Restore from every rank's saved :meth:`state` of a run on ``len(saved)`` ranks: on the same
+        number this rank's own (``saved`` holds only it then), on another the per-id state re-partitioned
+        by ``owns(table, ids)`` (this rank's ids), exactly for admission and expiry; the running totals
+        then go to one rank (``totals``), so that their sum over ranks is kept.
+        """
+        if len(saved) == 1:
+            self.load(saved[0])
+            return
+        for name, rule in self.rules.items():
+            if name not in self.tables:
+                continue
+            prefix = f"{name}/"
+            parts = [{k[len(prefix) :]: v for k, v in s.items() if k.startswith(prefix)} for s in saved]
+            parts = [part for part in parts if part]
+            if not parts:
+                self.tables[name] = TableBounds(rule)
+                continue
+            merged = merge_states(parts)
+            mine = split_state(merged, lambda ids, n=name: np.where(owns(n, ids), 0, 1), 2)[0]
+            if not totals:
+                mine["totals"] = np.zeros_like(mine["totals"])
+            self.tables[name] = TableBounds.from_state(rule, mine)
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Per held table: rows, candidates and the running totals (admitted, expired, capped, default

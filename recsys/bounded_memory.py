@@ -10,6 +10,7 @@ tiered run's deleted row reads as when the id comes back — so both runs train 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -65,6 +66,10 @@ class InMemoryBounds:
         if self.world_size > 1:
             groups = [dist.new_group(backend="gloo", timeout=collective_timeout()) for _ in range(2)]
             self._exchanges = {TRAIN: DistExchange(groups[0]), EVAL: DistExchange(groups[1])}
+
+    def owns(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """(n,) bool: which ids of bounded table ``name`` this rank decides for."""
+        return self.ownership.owns(name, ids, self.rank)
 
     def remap(self, step: int, batch: Batch, *, channel: str = TRAIN) -> Batch:
         """The batch with every bounded table's ids that read the default row replaced by its id; for a

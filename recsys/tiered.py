@@ -219,10 +219,10 @@ class TieredTables:
         self.bounded = BoundedTables(plan.bounds, plan.default_ids, held_bounded) if plan.bounds else None
         # Last: nothing after the claim (collective) can fail, so no path leaves the lock held.
         directory = claim_shard(plan.path / f"rank_{self.rank}", exchange=world, world_size=self.world_size)
-        self.shard = TierShard(directory, config=plan.store, tables=specs, slots=shards, owns=self._owns)
+        self.shard = TierShard(directory, config=plan.store, tables=specs, slots=shards, owns=self.owns)
         self.tallies = TierCounters(self.shard)
 
-    def _owns(self, name: str, ids: np.ndarray) -> np.ndarray:
+    def owns(self, name: str, ids: np.ndarray) -> np.ndarray:
         """(n,) bool: which ids of table ``name`` this rank owns now."""
         return self.ownership.owns(name, ids, self.rank)
 

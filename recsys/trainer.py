@@ -27,7 +27,7 @@ from recsys.checkpoint import (
     resumable_checkpoint,
     save_checkpoint,
 )
-from recsys.checkpoint.parts import ConfigRecord, DigestRecord, RunRecord, StoreState
+from recsys.checkpoint.parts import BoundsState, ConfigRecord, DigestRecord, RunRecord, StoreState
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.digest import dense_rows, model_digest
@@ -108,6 +108,10 @@ class Trainer:
         }
         if self.tiered is not None:
             self.checkpoint_parts["store"] = StoreState(self.tiered)
+        if self.tiered is not None and self.tiered.bounded is not None:
+            self.checkpoint_parts["bounds"] = BoundsState(self.tiered.bounded, self.tiered.owns)
+        elif self.bounded is not None:
+            self.checkpoint_parts["bounds"] = BoundsState(self.bounded.bounded, self.bounded.owns)
         # Last: it reads what the others wrote.
         self.checkpoint_parts["digest"] = DigestRecord(self.digest, enabled=config.train.checkpoint_digest)
 

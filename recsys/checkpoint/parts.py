@@ -8,9 +8,14 @@ entries (:class:`~recsys.checkpoint.Checkpointable`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from recsys.bounded import BoundedTables
 from recsys.build import ModelParts
 from recsys.checkpoint.fingerprint import model_fingerprint
 from recsys.checkpoint.manager import Checkpoint
@@ -20,7 +25,9 @@ from recsys.metrics import write_json
 from recsys.models import interaction_order
 from recsys.tiered import TieredTables
 
-__all__ = ["ConfigRecord", "DigestRecord", "RunRecord", "StoreState"]
+__all__ = ["BoundsState", "ConfigRecord", "DigestRecord", "RunRecord", "StoreState"]
+
+log = logging.getLogger("recsys")
 
 
 class StoreState:
@@ -37,6 +44,50 @@ class StoreState:
             self.tables.open(snapshot=source.path / f"store_rank_{source.rank}")
         else:  # rows re-partitioned by this run's ownership
             self.tables.open(reshard_from=sorted(source.path.glob("store_rank_*")))
+
+
+class BoundsState:
+    """The checkpoint part of bounded tables: this rank's admission, expiry and cap state,
+    ``bounds_rank_<r>.safetensors`` (arrays ``<table>/<key>``).
+
+    A resume on another number of ranks re-partitions the per-id state by the new ownership, so admission
+    and expiry continue exactly; a row cap (``max_rows``) ranks each owner's rows against each other, so
+    after a re-partition it removes other rows than the old run would have: the run says so once.
+
+    Args:
+        bounded: this rank's bounds (:class:`~recsys.bounded.BoundedTables`).
+        owns: ``owns(table, ids)`` -> (n,) bool, which ids this rank owns now.
+    """
+
+    def __init__(self, bounded: BoundedTables, owns: Callable[[str, np.ndarray], np.ndarray]) -> None:
+        self.bounded = bounded
+        self.owns = owns
+
+    def save(self, into: Checkpoint) -> list[Path]:
+        path = into.path / f"bounds_rank_{into.rank}.safetensors"
+        save_file({k: np.ascontiguousarray(v) for k, v in self.bounded.state().items()}, str(path))
+        return [path]
+
+    def restore(self, source: Checkpoint) -> None:
+        files = sorted(source.path.glob("bounds_rank_*.safetensors"))
+        if not files:  # a checkpoint of a run without bounds: the fingerprint check refused it already
+            return
+        if source.meta["world_size"] == source.world_size:
+            self.bounded.restore(
+                [load_file(str(source.path / f"bounds_rank_{source.rank}.safetensors"))], self.owns
+            )
+            return
+        capped = sorted(n for n, r in self.bounded.rules.items() if r.max_rows)
+        if capped and source.rank == 0:
+            log.warning(
+                "resuming on %d ranks a run of %d: the row cap (store.bounds max_rows) of %s is per owner rank, "
+                "so from here the model differs from a resume on %d ranks; admission and expiry continue exactly",
+                source.world_size,
+                source.meta["world_size"],
+                ", ".join(capped),
+                source.meta["world_size"],
+            )
+        self.bounded.restore([load_file(str(f)) for f in files], self.owns, totals=source.rank == 0)
 
 
 class RunRecord:
