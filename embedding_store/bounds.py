@@ -253,8 +253,7 @@ class TableBounds:
         fresh = n - reused
         if self._top + fresh > self._cnt.size:
             size = max(2 * self._cnt.size, self._top + fresh)
-            self._cnt = np.resize(self._cnt, size)
-            self._step = np.resize(self._step, size)
+            self._cnt, self._step = _grown(self._cnt, size), _grown(self._step, size)
         out = np.concatenate(
             [self._free[self._nfree : self._nfree + reused], np.arange(self._top, self._top + fresh)]
         )
@@ -268,7 +267,7 @@ class TableBounds:
         recs = self._map.remove(ids)
         assert bool(np.all(recs >= 0)), "bounds: dropping an id without a record"
         if self._nfree + recs.size > self._free.size:
-            self._free = np.resize(self._free, max(2 * self._free.size, self._nfree + recs.size))
+            self._free = _grown(self._free, max(2 * self._free.size, self._nfree + recs.size))
         self._free[self._nfree : self._nfree + recs.size] = recs
         self._nfree += recs.size
 
@@ -404,6 +403,13 @@ class TableBounds:
         out._last_step = int(st["last_step"][0])
         out._totals = st["totals"].copy()
         return out
+
+
+def _grown(a: np.ndarray, size: int) -> np.ndarray:
+    """``a``'s values in a new array of ``size`` (the rest uninitialised)."""
+    out = np.empty(size, dtype=a.dtype)
+    out[: a.size] = a
+    return out
 
 
 def _ids_arg(ids: np.ndarray, name: str) -> np.ndarray:

@@ -92,7 +92,9 @@ def check_state(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             f"bounds state 'candidate_count' must lie in [1, {COUNT_MAX}], "
             f"got [{int(counts.min())}, {int(counts.max())}]"
         )
-    both = np.intersect1d(out["row_ids"], out["candidate_ids"], assume_unique=True)
+    rows, cands = out["row_ids"], out["candidate_ids"]
+    at = np.searchsorted(rows, cands)  # both ascending: no sort of their union
+    both = cands[rows[np.minimum(at, rows.size - 1)] == cands] if rows.size else _NO_IDS
     if both.size:
         raise ValueError(f"bounds state holds {both.size} ids as both row and candidate, e.g. {int(both[0])}")
     return out
@@ -118,12 +120,15 @@ class StepGroups:
 
     @classmethod
     def of(cls, steps: np.ndarray, ids: np.ndarray) -> StepGroups:
-        """Groups of (N,) live ids at their (N,) steps (a rebuild from per-id state)."""
+        """Groups of (N,) live ascending ids at their (N,) steps (a rebuild from per-id state)."""
         out = cls()
-        order = np.lexsort((ids, steps))
-        steps, ids = steps[order], ids[order]
         if not steps.size:
             return out
+        rel = steps - steps.min()
+        if int(rel.max()) < 1 << 16:  # a stable sort of 16-bit keys is a radix sort: linear
+            rel = rel.astype(np.uint16)
+        order = np.argsort(rel, kind="stable")  # stable: ascending ids within a step
+        steps, ids = steps[order], ids[order]
         edges = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1], True])  # group starts, then the end
         for lo, hi in zip(edges[:-1].tolist(), edges[1:].tolist(), strict=True):
             out.push(int(steps[lo]), ids[lo:hi])
