@@ -65,7 +65,14 @@ def _stored_equals_rows(tiered) -> bool:
 
 @pytest.mark.parametrize(
     ("world_size", "sharding", "mode"),
-    [(1, "table_wise", "pipelined"), (2, "row_wise", "pipelined"), (2, "table_wise", "sequential")],
+    [
+        (1, "table_wise", "pipelined"),
+        (2, "row_wise", "pipelined"),
+        (2, "table_wise", "sequential"),
+        pytest.param(1, "row_wise", "sequential", marks=pytest.mark.slow),
+        pytest.param(2, "row_wise", "sequential", marks=pytest.mark.slow),
+        pytest.param(2, "table_wise", "pipelined", marks=pytest.mark.slow),
+    ],
 )
 def test_bounded_tiered_digest_equals_in_memory(world_size, sharding, mode):
     results = run_ranks(
