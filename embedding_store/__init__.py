@@ -78,7 +78,8 @@ from embedding_store.lockfile import DirectoryLock
 from embedding_store.stats import StoreStats, TierStats
 
 if TYPE_CHECKING:
-    from embedding_store.bounds import BoundsRule, Decision, TableBounds
+    from embedding_store.bounds import Decision, TableBounds
+    from embedding_store.bounds_rule import BoundsRule
     from embedding_store.bounds_state import merge_states, split_state
     from embedding_store.index import num_embeddings_for
     from embedding_store.init import init_rows
@@ -90,7 +91,8 @@ if TYPE_CHECKING:
 # Loaded on first use, so that importing a light module of the package (its config, errors or the
 # hashing leaf) does not load torch and LMDB: name -> the module that defines it.
 _LAZY = {
-    **dict.fromkeys(("BoundsRule", "Decision", "TableBounds"), "embedding_store.bounds"),
+    "BoundsRule": "embedding_store.bounds_rule",
+    **dict.fromkeys(("Decision", "TableBounds"), "embedding_store.bounds"),
     **dict.fromkeys(("merge_states", "split_state"), "embedding_store.bounds_state"),
     "init_rows": "embedding_store.init",
     "num_embeddings_for": "embedding_store.index",

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embedding_store.bounds import BoundsRule, TableBounds
+from embedding_store.bounds import TableBounds
+from embedding_store.bounds_rule import BoundsRule
 from embedding_store.bounds_state import merge_states, split_state
 from embedding_store.config import MAX_ID
 

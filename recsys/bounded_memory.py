@@ -17,7 +17,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embedding_store.bounds import BoundsRule
+from embedding_store.bounds_rule import BoundsRule
 from embedding_store.init import init_rows
 from recsys.bounded import DEFAULT, BoundedTables
 from recsys.data.batch import Batch

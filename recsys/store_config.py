@@ -16,7 +16,7 @@ from recsys.errors import UserError
 from recsys.table_names import feature_of
 
 if TYPE_CHECKING:
-    from embedding_store.bounds import BoundsRule
+    from embedding_store.bounds_rule import BoundsRule
 
 __all__ = [
     "StoreSection",
@@ -157,7 +157,7 @@ class StoreSection:
         """
         if not self.bounds:
             return {}
-        from embedding_store.bounds import BoundsRule
+        from embedding_store.bounds_rule import BoundsRule
 
         common, per_feature = split_bounds(self.bounds)
         unknown = sorted(set(per_feature) - set(features)) if features else []

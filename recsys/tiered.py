@@ -41,7 +41,7 @@ from embedding_store import (
     TieredStore,
     num_embeddings_for,
 )
-from embedding_store.bounds import BoundsRule
+from embedding_store.bounds_rule import BoundsRule
 from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
 from recsys.bounded import DEFAULT, BoundedTables
 from recsys.capacities import Capacities
