@@ -207,16 +207,20 @@ class LogTables(LogCompaction):
     def scan(self, table: str, *, after: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``limit`` stored rows with id > ``after``, ascending ids: ((n,) ids, (n, R) rows)."""
         t = self._tables[table]
-        with self._index_lock:
-            if t.sorted_ids is None or t.sorted_ids[0] != t.version:
-                t.sorted_ids = (t.version, np.sort(t.live_items()[0]))
-            ids = t.sorted_ids[1]
-        start = int(np.searchsorted(ids, after, side="right"))
-        chunk = ids[start : start + limit]
-        found, rows = self.get_rows(table, chunk)
-        if not found.all():  # ids are removed by delete_rows, under the write lock
-            raise StoreCorruptError(f"table {table!r}: the log index lost rows during a scan")
-        return chunk, rows
+        while True:
+            with self._index_lock:
+                if t.sorted_ids is None or t.sorted_ids[0] != t.version:
+                    t.sorted_ids = (t.version, np.sort(t.live_items()[0]))
+                version, ids = t.sorted_ids
+            start = int(np.searchsorted(ids, after, side="right"))
+            chunk = ids[start : start + limit]
+            found, rows = self.get_rows(table, chunk)
+            if found.all():
+                return chunk, rows
+            with self._index_lock:
+                if t.version == version:  # only a delete_rows (another thread's) removes ids
+                    raise StoreCorruptError(f"table {table!r}: the log index lost rows during a scan")
+            # a delete_rows committed between the listing and the read: list the ids again
 
     # ---------------------------------------------------------------------------------------- writes
     def put_rows(self, writes: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> None:

@@ -318,3 +318,27 @@ def test_the_writer_answers_deleted_until_a_later_row_of_the_id(tmp_path) -> Non
     on_disk, got = backend.get_rows("w", np.array([1, 2, 3, 7, 9]))
     assert on_disk.tolist() == [True, False, True, False, True]
     assert got.tolist() == [rows[0].tolist(), rows[3].tolist(), rows[4].tolist()]
+
+
+def test_a_log_scan_that_a_delete_overtakes_lists_its_ids_again(tmp_path) -> None:
+    """The writer thread deletes while ``iter_rows`` scans: the scan skips the ids, and fails no read."""
+    backend = open_backend(tmp_path, options=LmdbOptions(layout="log"), seed=SEED, tables=[SPEC])
+    ids = np.arange(10, 20, dtype=np.int64)
+    rows = np.random.default_rng(2).standard_normal((10, SPEC.row_floats)).astype(np.float32)
+    backend.put_rows([("t", ids, rows)])
+    log = backend.log  # type: ignore[attr-defined]
+    read = log.get_rows
+    raced: list[np.ndarray] = []
+
+    def overtaken(table: str, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not raced:  # between the scan's listing of the ids and its read of them
+            raced.append(chunk[1:3].copy())
+            backend.delete_rows(table, raced[0])
+        return read(table, chunk)
+
+    log.get_rows = overtaken
+    got_ids, got_rows = backend.scan("t", after=11, limit=4)
+    assert raced[0].tolist() == [13, 14]
+    assert got_ids.tolist() == [12, 15, 16, 17]
+    assert (bits(got_rows) == bits(rows[[2, 5, 6, 7]])).all()
+    backend.close()
