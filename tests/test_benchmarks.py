@@ -22,6 +22,19 @@ BENCHMARKS = ROOT / "benchmarks"
 
 # program -> (the flag naming its scratch folder, or None; headline keys of its last line, dotted for nesting)
 CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "bench_bounded.py": (
+        "--dir",
+        (
+            "rows_ratio",
+            "disk_bytes_ratio",
+            "auc_delta",
+            "last_tenth_speedup",
+            "rows_growth_second_half_expire",
+            "rows_growth_second_half_none",
+            "cap_max_rows",
+            "cap_log_bytes",
+        ),
+    ),
     "bench_checkpoint.py": ("--dir", ("snapshot_peak_anon_over_table", "reshard_peak_anon_over_table")),
     "bench_pipeline.py": (
         "--dir",
