@@ -9,6 +9,7 @@ its own instead of patching modules.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -27,6 +28,8 @@ from recsys.data.batch import Batch
 from recsys.errors import UserError
 from recsys.lifetime import RunStopped
 from recsys.selection import Evaluation
+from recsys.tier_metrics import BoundsMetrics
+from recsys.tiered import row_bytes
 from recsys.writing import writing
 
 # Least seconds between two returns of malloc's free heap memory to the system (a logging step's; each
@@ -85,8 +88,26 @@ class TrainLoop:
         self.metrics = metrics
         self._warned: dict[str, int] = {}
         self._logs = 0
+        self._bounds: BoundsMetrics | None = None
+
+    def _bounds_metrics(self) -> BoundsMetrics | None:
+        """The bounded tables' metrics of this fit (None without ``[store.bounds]``)."""
+        t = self.trainer
+        if t.tiered is not None:
+            bounded = t.tiered.bounded
+        else:
+            bounded = None if t.bounded is None else t.bounded.bounded
+        if bounded is None:
+            return None
+        sizes = {c.name: row_bytes(t.config.sparse, c.embedding_dim) for c in t.tables}
+        return BoundsMetrics(bounded, row_bytes=sizes, world_size=t.env.world_size)
 
     def run(self) -> dict[str, Any]:
+        self._bounds = self._bounds_metrics()
+        with contextlib.nullcontext() if self._bounds is None else self._bounds.recording():
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         t = self.trainer
         steps = t.config.train.steps
         pipeline = TrainPipelineSparseDist(t.dmp, t.optimizer, t.env.device, execute_all_batches=True)
@@ -163,6 +184,10 @@ class TrainLoop:
             self._logs += 1
             for message in (thrash, feed.stall_warning()):
                 self._warn(message, bar)
+        if self._bounds is not None:
+            extra["bounds"] = bounds = self._bounds.window(state.step)
+            share = bounds["default_share"]
+            postfix["dflt"] = "n/a" if math.isnan(share) else f"{share:.2f}"
         bar.set_postfix(postfix)
         with writing(self.metrics.path):
             self.metrics.write(kind="train", step=state.step, loss=mean_loss, samples_per_s=rate, **extra)
@@ -269,6 +294,8 @@ class TrainLoop:
         bar.close()
         if t.tier_metrics is not None:
             t.tier_metrics.training_done()
+        if self._bounds is not None:  # the steps trained (a pipeline may have decided more)
+            result["bounds"] = self._bounds.over_run(state.step)
         if not result.get("stopped_early") or last is None or last.step != state.step:
             # Drain the pipeline's prefetched batches (none remain: the iterator stops at train.steps).
             last = self.evaluation(pipeline, bar)

@@ -1,4 +1,5 @@
-"""What the tiers did during a run: hit rates per log window and over training, and the warnings.
+"""What the tiers did during a run: hit rates per log window and over training, and the warnings; and
+what the bounded tables decided (:class:`BoundsMetrics`).
 
 One component owns every definition, for the log lines, ``metrics.jsonl`` and ``summary.json`` alike
 (``docs/tiers.md`` explains them):
@@ -13,9 +14,13 @@ and the way out. Every method that says "collective" must be called on all ranks
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import contextlib
+import math
+import threading
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -23,7 +28,19 @@ from recsys.capacities import Capacities, mismatch_warning
 from recsys.table_names import feature_of
 from recsys.tier_counters import COUNTERS, TierCounters
 
-__all__ = ["COUNTERS", "PREDICTION_TOLERANCE", "THRASH_HIT_RATE", "TierMetrics", "rates_of"]
+if TYPE_CHECKING:
+    from recsys.bounded import BoundedTables
+
+__all__ = [
+    "BOUNDS_COUNTERS",
+    "COUNTERS",
+    "PREDICTION_TOLERANCE",
+    "THRASH_HIT_RATE",
+    "BoundsMetrics",
+    "TierMetrics",
+    "bounds_figures",
+    "rates_of",
+]
 
 # A device tier that answers less than this share of a warm table's lookups thrashes.
 THRASH_HIT_RATE = 0.5
@@ -196,3 +213,143 @@ class TierMetrics:
                     f"{rates['predicted_device_hit_rate']:.3f} (was the run tuned on the same config?)"
                 )
         return out, warnings
+
+
+# -- bounded tables -------------------------------------------------------------------------------------
+
+# The counters of ``BoundedTables.counters()`` per table, in the order of the vectors summed over ranks:
+# rows and candidates held now, then running totals.
+BOUNDS_COUNTERS = (
+    "rows",
+    "candidates",
+    "admitted_total",
+    "expired_total",
+    "capped_total",
+    "default_lookups_total",
+    "lookups_total",
+)
+
+
+def bounds_figures(c: Mapping[str, int], *, row_bytes: int) -> dict[str, Any]:
+    """One bounded table's figures from its counters (``BOUNDS_COUNTERS`` by name) over a span: the totals
+    as counted in the span, ``rows`` and ``candidates`` as held at its end; ``stored_bytes`` is ``rows``
+    times ``row_bytes`` (a packed row: weights and optimizer state), the same tiered and in memory;
+    ``default_share`` is NaN where the span looked nothing up."""
+    lookups, default = int(c["lookups_total"]), int(c["default_lookups_total"])
+    return {
+        "candidates": int(c["candidates"]),
+        "rows": int(c["rows"]),
+        "stored_bytes": int(c["rows"]) * row_bytes,
+        "admitted": int(c["admitted_total"]),
+        "expired": int(c["expired_total"]),
+        "capped": int(c["capped_total"]),
+        "lookups": lookups,
+        "default_lookups": default,
+        "default_share": default / lookups if lookups else math.nan,
+    }
+
+
+class BoundsMetrics:
+    """What the bounded tables decided, per table and log window and over the run, summed over ranks.
+
+    The owners decide a step when its batch is routed, which a pipeline does ahead of training (tiered:
+    the routing stage's lookahead; in memory: TorchRec's pipeline takes batches ahead), so the counters
+    read at a log point would depend on how far ahead each run decided. Instead each rank's counters are
+    recorded right after every step's decision (:meth:`recording`), and a window ending once ``s`` steps
+    are trained reports the counters recorded after step ``s - 1``: tiered and in-memory runs, pipelined
+    and sequential, report the same numbers.
+
+    Args:
+        bounded: this rank's bounded tables (``TieredTables.bounded`` or ``InMemoryBounds.bounded``), with
+            their state as the run starts (a resumed run's totals include the steps before the resume).
+        row_bytes: table name -> bytes of one stored row (float32 weights and optimizer state).
+        world_size: ranks of the run (the figures are over all of them).
+
+    Example::
+
+        metrics = BoundsMetrics(bounded, row_bytes={"t_cat_0": 36}, world_size=1)
+        with metrics.recording():
+            ...  # train steps 0 .. 99
+            figures = metrics.window(100)  # collective
+    """
+
+    def __init__(self, bounded: BoundedTables, *, row_bytes: Mapping[str, int], world_size: int) -> None:
+        self.bounded = bounded
+        self.names = sorted(bounded.rules)
+        self.row_bytes = {name: int(row_bytes[name]) for name in self.names}
+        self.world_size = world_size
+        self._lock = threading.Lock()  # decisions are recorded on the routing stage's thread
+        self._decided: dict[int, np.ndarray] = {}  # step -> (T, K) counters after its decision
+        self._latest = self._counters()  # (T, K) the counters after the last step taken from _decided
+        self._window_start = self._latest
+
+    def _counters(self) -> np.ndarray:
+        """(T, K) int64: this rank's ``BOUNDS_COUNTERS`` of every bounded table (zeros where not held)."""
+        held = self.bounded.counters()
+        out = np.zeros((len(self.names), len(BOUNDS_COUNTERS)), dtype=np.int64)
+        for i, name in enumerate(self.names):
+            if name in held:
+                out[i] = [held[name][key] for key in BOUNDS_COUNTERS]
+        return out
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[BoundsMetrics]:
+        """Record this rank's counters after every step's decision while the context is open (it wraps
+        the ``decide`` of this ``BoundedTables`` instance, and restores it on exit)."""
+        decide = self.bounded.decide
+
+        def recorded(step: int, owner_ids: Any, owner_counts: Any) -> Any:
+            decided = decide(step, owner_ids, owner_counts)
+            counters = self._counters()
+            with self._lock:
+                self._decided[int(step)] = counters
+            return decided
+
+        self.bounded.decide = recorded  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            del self.bounded.decide  # the class's method again
+
+    def _at(self, steps: int) -> np.ndarray:
+        """(T, K) this rank's counters once steps ``0 .. steps - 1`` are decided (later ones excluded)."""
+        with self._lock:
+            for step in sorted(s for s in self._decided if s < steps):
+                self._latest = self._decided.pop(step)
+        return self._latest
+
+    def _sum(self, matrices: np.ndarray) -> np.ndarray:
+        total = torch.from_numpy(np.ascontiguousarray(matrices, dtype=np.int64))
+        if self.world_size > 1:
+            dist.all_reduce(total)
+        return total.numpy()
+
+    def _figures(self, end: np.ndarray, start: np.ndarray) -> dict[str, Any]:
+        """``{"default_share", "tables": {name: figures}}`` of the span from ``start`` to ``end``."""
+        span = end - start
+        span[:, :2] = end[:, :2]  # rows and candidates: as held at the end
+        tables = {
+            name: bounds_figures(
+                dict(zip(BOUNDS_COUNTERS, row.tolist(), strict=True)), row_bytes=self.row_bytes[name]
+            )
+            for name, row in zip(self.names, span, strict=True)
+        }
+        lookups = sum(t["lookups"] for t in tables.values())
+        default = sum(t["default_lookups"] for t in tables.values())
+        return {"default_share": default / lookups if lookups else math.nan, "tables": tables}
+
+    def window(self, steps: int) -> dict[str, Any]:
+        """The figures of the steps decided since the previous window, up to step ``steps - 1``, over all
+        ranks (collective): per table ``candidates`` and ``rows`` held at the window's end,
+        ``stored_bytes``, and ``admitted``, ``expired``, ``capped``, ``lookups``, ``default_lookups`` and
+        ``default_share`` in the window; ``default_share`` over every bounded table beside them."""
+        now = self._at(steps)
+        both = self._sum(np.stack([now, self._window_start]))
+        self._window_start = now
+        return self._figures(both[0], both[1])
+
+    def over_run(self, steps: int) -> dict[str, Any]:
+        """The figures of the whole run up to step ``steps - 1`` (a resumed run's earlier steps included:
+        the totals are part of the checkpoint), over all ranks (collective), shaped like :meth:`window`'s."""
+        end = self._sum(self._at(steps))
+        return self._figures(end, np.zeros_like(end))
