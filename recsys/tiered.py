@@ -86,13 +86,19 @@ class RoutedBatch:
     batch: Batch
     channel: str
     ids: RoutedIds
-    removed: dict[str, np.ndarray] = field(default_factory=dict)  # bounded tables' rows leaving first
+    # per bounded table held here (training and evaluation), the rows leaving before the batch (may be empty)
+    removed: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def owner_ids(self) -> dict[str, torch.Tensor]:
         """Per table this rank holds, the ids of the batch it owns that have rows here (see
         :class:`RoutedIds`; a bounded table's ids that read the default row are left out)."""
-        return {name: ids[ids != DEFAULT] for name, ids in self.ids.owner_ids.items()}
+        if not self.removed:  # no bounded table: nothing to leave out
+            return self.ids.owner_ids
+        return {
+            name: ids[ids != DEFAULT] if name in self.removed else ids
+            for name, ids in self.ids.owner_ids.items()
+        }
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -282,6 +288,7 @@ class TieredTables:
             routed.owner_ids, removed = decided.owner_ids, decided.removed
         elif self.bounded is not None:
             routed.owner_ids = self.bounded.lookup(routed.owner_ids)
+            removed = {name: np.empty(0, dtype=np.int64) for name in self.bounded.tables}
         return RoutedBatch(batch_id, batch, channel, routed, removed)
 
     def announce(self, routed: RoutedBatch) -> None:
