@@ -11,17 +11,19 @@ and as its LAST line one JSON object:
 **admission** (``admit_after = --admit-after`` (2) against no ``[store.bounds]``, ``--steps`` steps):
 
 - ``rows_ratio``: stored rows at the end of training with admission over without (``rows_admit``,
-  ``rows_none``): the rows in the store after the run's final flush, counted by reopening it (the default
-  rows included), less the rows the final evaluation created (an unbounded table gives every held-out id
-  it has not trained a row; a bounded one reads the default row instead): ``eval_rows_none`` /
-  ``eval_rows_admit``, from the store's ``rows_initialised`` counter at the last training window and
-  after the fit;
-- ``disk_bytes_ratio``: bytes written to the disk over the whole arm (the fit, its final evaluation and
-  the final flush; ``wchar`` of ``/proc/self/io``: what the process handed the kernel, LMDB writing with
-  ``pwrite``), with admission over without (``disk_bytes_admit``, ``disk_bytes_none``); beside it
-  ``disk_bytes_training_ratio``: the same up to the last training window (write-back while training, no
-  evaluation, no final flush) and each arm's ``disk`` record (``write_bytes``; the device's sectors
-  written, which count other processes too);
+  ``rows_none``): at the last log window, before the final evaluation, the store is flushed (every row
+  held above LMDB written to it, as a run that stopped there would) and the rows LMDB then holds are
+  counted (``TieredStore.stats``; the default rows included). The final evaluation comes after: without
+  admission it gives every held-out id the run never trained a row of its own (``eval_rows_none``, from
+  the store's ``rows_initialised``; with admission such ids read the default row), so the rows after the
+  run (``rows_after_eval_*``, the store reopened) are not the trained model's;
+- ``disk_bytes_ratio``: bytes written to the disk from the start of the fit to the end of that flush
+  (training's write-back and the flush: the trained model made durable), with admission over without
+  (``disk_bytes_admit``, ``disk_bytes_none``): ``wchar`` of ``/proc/self/io``, what the process handed
+  the kernel (LMDB writes with ``pwrite``); beside it ``disk_bytes_training_ratio`` (up to the last
+  window, without the flush), ``disk_bytes_with_eval_*`` (the whole arm: the evaluation's rows and the
+  store's close included) and each arm's ``disk_end_of_training`` record (``write_bytes``; the device's
+  sectors written, which count other processes too);
 - ``auc_delta``: held-out AUC with admission minus without (``auc_admit``, ``auc_none``, and the log
   losses), the final evaluation of each fit on the same ``--eval-samples`` held-out samples;
 - ``last_tenth_speedup``: samples/s over the last tenth of the log windows with admission over without
@@ -48,7 +50,8 @@ expiry differs):
   and ``cap_log_ratio`` = ``cap_log_bytes`` / (``cap`` x tables x 260); ``cap_log_within`` says whether
   it is under the limit.
 
-Every arm's record also holds its ``wall_s``, ``samples_per_s``, ``auc``, ``logloss``, the per-table
+Every arm's record also holds its ``wall_s`` (the fit: training, the flush at its end (``final_flush_s``)
+and the final evaluation), ``samples_per_s``, ``auc``, ``logloss``, the per-table
 bounds counters at the end (``bounds``) and the row count of every log window (``rows_by_step``).
 
 Usage: python benchmarks/bench_bounded.py [--steps 1000] [--batch 16384] [--only admission,expiry,cap]
@@ -71,6 +74,7 @@ from harness import emit, machine_info, quiet
 from ssd_tier.disk import DiskIo
 from tiered_training.runs import SilentProgress
 
+from embedding_store import Tier
 from embedding_store.backends import open_backend
 from recsys.build import TrainSpec
 from recsys.config import config_from_dict
@@ -104,6 +108,7 @@ class Probe:
         self.label = label
         self.path = trainer.out_dir / "metrics.jsonl"  # named in a full-disk error only
         self.rows: list[dict[str, Any]] = []
+        self.flushed: dict[str, Any] = {}  # at the end of training (flush)
         self.started = time.perf_counter()
 
     def read(self) -> dict[str, Any]:
@@ -125,6 +130,8 @@ class Probe:
             {"step": record["step"], "samples_per_s": record["samples_per_s"], "rows": rows, **now}
         )
         steps = self.trainer.config.train.steps
+        if record["step"] == steps:
+            self.flush()
         if (
             record["step"] % max(1, steps // 10) < self.trainer.config.train.log_every
             or record["step"] == steps
@@ -133,6 +140,20 @@ class Probe:
                 f"{self.label}: step {record['step']}/{steps}, {record['samples_per_s']:,.0f} samples/s, "
                 f"{rows:,} rows, {time.perf_counter() - self.started:.0f} s"
             )
+
+    def flush(self) -> None:
+        """The end of training (the last window, before the final evaluation): write every row held above
+        LMDB to it, as a run that stopped here would; then count the rows LMDB holds and the disk so far."""
+        tiered = self.trainer.tiered
+        assert tiered is not None and tiered.store is not None
+        start = time.perf_counter()
+        tiered.store.flush()
+        stats = tiered.store.stats()
+        self.flushed = {
+            "rows": sum(tiers[Tier.SSD] for tiers in stats.resident_rows.values()),
+            "disk": self.disk.delta(),
+            "seconds": time.perf_counter() - start,
+        }
 
 
 def base_overrides(args: argparse.Namespace, out: Path) -> list[str]:
@@ -208,7 +229,6 @@ def run_arm(args: argparse.Namespace, label: str, overrides: list[str]) -> dict[
     last = probe.rows[-1]
     rates = [r["samples_per_s"] for r in probe.rows]
     tenth = max(1, len(rates) // 10)
-    eval_rows = after_fit["created"] - last["created"]
     result = {
         "arm": label,
         "overrides": overrides,
@@ -218,18 +238,20 @@ def run_arm(args: argparse.Namespace, label: str, overrides: list[str]) -> dict[
         "last_tenth_samples_per_s": float(np.mean(rates[-tenth:])),
         "auc": summary["auc"],
         "logloss": summary["logloss"],
-        "rows_stored_after_run": rows_stored,
-        "eval_rows": eval_rows,
-        "rows_end": rows_stored - eval_rows,
-        "disk_bytes": total_disk["wchar"],
+        "rows_end": probe.flushed["rows"],
+        "final_flush_s": probe.flushed["seconds"],
+        "disk_bytes": probe.flushed["disk"]["wchar"],
         "disk_bytes_training": last["disk"]["wchar"],
-        "disk": total_disk,
+        "disk_end_of_training": probe.flushed["disk"],
+        "eval_rows": after_fit["created"] - last["created"],
+        "rows_stored_after_run": rows_stored,
+        "disk_bytes_with_eval": total_disk["wchar"],
         "log_bytes": log_bytes,
         "bounds": counters,
         "rows_by_step": [[r["step"], r["rows"]] for r in probe.rows],
         "max_table_rows": max((max(r["bounded_rows"].values(), default=0) for r in probe.rows), default=0),
     }
-    emit({k: v for k, v in result.items() if k != "rows_by_step"})
+    emit(result)
     say(f"{label}: done in {wall:.0f} s, auc {summary['auc']}, {rows_stored:,} rows stored")
     return result
 
@@ -252,9 +274,13 @@ def admission(args: argparse.Namespace) -> dict[str, Any]:
         "rows_none": none["rows_end"],
         "eval_rows_admit": admit["eval_rows"],
         "eval_rows_none": none["eval_rows"],
+        "rows_after_eval_admit": admit["rows_stored_after_run"],
+        "rows_after_eval_none": none["rows_stored_after_run"],
         "disk_bytes_ratio": ratio(admit["disk_bytes"], none["disk_bytes"]),
         "disk_bytes_admit": admit["disk_bytes"],
         "disk_bytes_none": none["disk_bytes"],
+        "disk_bytes_with_eval_admit": admit["disk_bytes_with_eval"],
+        "disk_bytes_with_eval_none": none["disk_bytes_with_eval"],
         "disk_bytes_training_ratio": ratio(admit["disk_bytes_training"], none["disk_bytes_training"]),
         "disk_bytes_training_admit": admit["disk_bytes_training"],
         "disk_bytes_training_none": none["disk_bytes_training"],
