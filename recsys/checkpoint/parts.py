@@ -93,7 +93,9 @@ class BoundsState:
 class RunRecord:
     """The checkpoint part that says what was trained, in ``meta.json``: the settings that change the model
     (``fingerprint``, checked on resume), the model's order of its sparse features and the dataset spec
-    (for serving), and the tables whose rows are in the store snapshots (``store_tables``).
+    (for serving), the tables whose rows are in the store snapshots (``store_tables``) and, for a run
+    with bounded tables, each one's default row id (``bounds``: ``{table: default_id}``; absent without
+    bounds, so other runs' ``meta.json`` is unchanged).
 
     Args:
         config: the run's config.
@@ -115,6 +117,13 @@ class RunRecord:
         # Which tables' rows are in the store snapshots (the others are in the rank files): a resume
         # does not move rows between the two (Trainer.restore refuses a change).
         into.meta["store_tables"] = [] if p.tiered is None else sorted(p.tiered.names)
+        # Bounded tables and their default rows: recsys export keeps only the rows the bounds say exist
+        # and scores every other id with the default row, as evaluation does (recsys.bounded).
+        bounded = p.tiered.bounded if p.tiered is not None else None
+        if bounded is None and p.bounded is not None:
+            bounded = p.bounded.bounded
+        if bounded is not None:
+            into.meta["bounds"] = {name: int(d) for name, d in sorted(bounded.default_ids.items())}
         return []
 
     def restore(self, source: Checkpoint) -> None:

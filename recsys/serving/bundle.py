@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from embedding_store.config import MAX_ID
 from recsys.errors import UserError
 from recsys.table_names import table_name
 
@@ -83,8 +84,11 @@ class FeatureSpec:
         kind: ``plain`` (all rows in ``tables.safetensors``; ids are folded modulo ``rows``, as training
             folds them) or ``tiered`` (rows in ``tiered/data.mdb``, raw ids).
         dim: embedding dimension.
-        rows: plain: the table's rows; tiered: the rows stored (ids ever touched in training).
+        rows: plain: the table's rows; tiered: the rows stored (ids ever touched in training). A bounded
+            table's: the rows the bounds kept and its default row.
         id_space: tiered: ids must lie in ``[0, id_space)``; None for raw 64-bit ids.
+        default_id: a bounded table's default row id (:mod:`recsys.serving.bounded`): every id without a
+            row of its own reads that row; plain: also the modulus its ids are folded by. None: not bounded.
     """
 
     name: str
@@ -93,6 +97,7 @@ class FeatureSpec:
     dim: int
     rows: int
     id_space: int | None = None
+    default_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +217,24 @@ def _check_manifest(path: Path, verify: bool) -> dict[str, Any]:
     return manifest
 
 
+def _check_default(path: Path, spec: FeatureSpec) -> None:
+    """A bounded feature's default row id lies in its table's ids: below the id space (tiered) or at
+    least 1 (plain: the modulus of its ids), and the table holds at least that row."""
+    d = spec.default_id
+    if d is None:
+        return
+    top = spec.id_space if spec.kind == "tiered" and spec.id_space is not None else MAX_ID + 1
+    low = 1 if spec.kind == "plain" else 0
+    if not isinstance(d, int) or isinstance(d, bool) or not low <= d < top:
+        raise _fail(
+            path, f"{MODEL}: feature {spec.name!r} names default row id {d!r}, outside [{low}, {top})"
+        )
+    if spec.rows < 1:
+        raise _fail(
+            path, f"{MODEL}: bounded feature {spec.name!r} holds {spec.rows} rows, not even its default row"
+        )
+
+
 def _features(path: Path, model: dict[str, Any], has_tiered: bool) -> tuple[FeatureSpec, ...]:
     out = []
     for i, raw in enumerate(model.get("features") or []):
@@ -224,6 +247,7 @@ def _features(path: Path, model: dict[str, Any], has_tiered: bool) -> tuple[Feat
                 path,
                 f"{MODEL}: feature {spec.name!r} has kind {spec.kind!r}, dim {spec.dim}, rows {spec.rows}",
             )
+        _check_default(path, spec)
         out.append(spec)
     if not out:
         raise _fail(path, f"{MODEL} lists no features")

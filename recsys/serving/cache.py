@@ -4,7 +4,8 @@
 without a lock file, so a bundle on a read-only file system serves). :class:`RowCache` keeps up to
 ``capacity`` rows of one table in a preallocated arena: lookups are vectorised (an id -> position map
 from the store), eviction is least-recently-used by batch, so a table larger than RAM is served with
-the hot rows in memory. Rows never stored get ``fill(ids)`` (the deterministic initial rows, or zeros).
+the hot rows in memory. Rows never stored get ``fill(ids)`` (the deterministic initial rows, or zeros;
+a bounded table's default row), and the lookups they answer are counted (``filled``).
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ class CacheStats:
 
     ``hits`` and ``misses``: ids looked up (each occurrence) found in the cache or not; of the distinct
     ids missed by a lookup, ``stored`` were read from LMDB and ``unseen`` (never stored) got their
-    initial or zero rows; ``rows``: rows held now, of ``capacity``.
+    initial or zero rows (a bounded table's: its default row); ``rows``: rows held now, of ``capacity``;
+    ``filled``: the lookups (each occurrence, cached or not) answered with such a row.
     """
 
     hits: int
@@ -166,6 +168,7 @@ class CacheStats:
     unseen: int
     rows: int
     capacity: int
+    filled: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -202,12 +205,13 @@ class RowCache:
         self._arena = np.zeros((capacity, self.dim), dtype=np.float32)
         self._id_at = np.full(capacity, -1, dtype=np.int64)  # the id held at each position, -1 free
         self._last_use = np.zeros(capacity, dtype=np.int64)  # tick of the last lookup that used it
+        self._filled_at = np.zeros(capacity, dtype=bool)  # the row held there is a fill row (never stored)
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack of free positions
         self._num_free = capacity
         self._tick = 0
         dense = id_space is not None and id_space <= max(_DENSE_MAP_MAX_IDS, 4 * capacity)
         self._map = DenseIdMap(id_space) if dense else HashIdMap(max(1, capacity))
-        self._hits = self._misses = self._stored = self._unseen = 0
+        self._hits = self._misses = self._stored = self._unseen = self._filled = 0
 
     def lookup(self, ids: np.ndarray) -> torch.Tensor:
         """Rows of (N,) int64 ids (any order, repeats allowed) as a (N, dim) float32 tensor."""
@@ -219,12 +223,14 @@ class RowCache:
                 if hit.all():  # the hot path: no copy of masks, one gather
                     self._last_use[pos] = self._tick
                     self._hits += int(ids.shape[0])
+                    self._filled += int(np.count_nonzero(self._filled_at[pos]))
                     return torch.from_numpy(np.take(self._arena, pos, axis=0))
                 held = pos[hit]
                 self._last_use[held] = self._tick
                 out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
                 out[hit] = self._arena[held]
                 self._hits += int(held.shape[0])
+                self._filled += int(np.count_nonzero(self._filled_at[held]))
             else:
                 hit = np.zeros(ids.shape[0], dtype=bool)
                 out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
@@ -236,19 +242,23 @@ class RowCache:
         fetched[found] = rows
         if not found.all():
             fetched[~found] = self._fill(miss_ids[~found])
-        out[missing] = fetched[inverse.reshape(-1)]
+        inverse = inverse.reshape(-1)
+        out[missing] = fetched[inverse]
         with self._lock:
             self._misses += int(missing.shape[0])
             self._stored += int(found.sum())
             self._unseen += int((~found).sum())
+            self._filled += int(missing.shape[0] - np.count_nonzero(found[inverse]))
             if self.capacity:
-                self._insert(miss_ids, fetched)
+                self._insert(miss_ids, fetched, ~found)
         return torch.from_numpy(out)
 
-    def _insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Cache rows just read (under the lock); another thread may have cached some meanwhile."""
+    def _insert(self, ids: np.ndarray, rows: np.ndarray, filled: np.ndarray) -> None:
+        """Cache rows just read (``filled``: which are fill rows), under the lock; another thread may
+        have cached some meanwhile."""
         new = self._map.lookup(ids) < 0
         ids, rows = ids[new][: self.capacity], rows[new][: self.capacity]
+        filled = filled[new][: self.capacity]
         n = ids.shape[0]
         if n > self._num_free:
             self._evict(max(n - self._num_free, self.capacity // _EVICT_FRACTION))
@@ -256,6 +266,7 @@ class RowCache:
         self._num_free -= n
         self._arena[positions] = rows
         self._id_at[positions] = ids
+        self._filled_at[positions] = filled
         self._last_use[positions] = self._tick
         self._map.insert(ids, positions)
 
@@ -278,4 +289,5 @@ class RowCache:
                 unseen=self._unseen,
                 rows=self.capacity - self._num_free,
                 capacity=self.capacity,
+                filled=self._filled,
             )

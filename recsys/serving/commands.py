@@ -156,7 +156,12 @@ def _predict(args: argparse.Namespace) -> int:
         options=options,
     )
     rates = ", ".join(f"{f} {c['hit_rate']:.3f}" for f, c in report["cache"].items())
-    print(f"scored {report['rows']:,} rows" + (f"; cache hit rates: {rates}" if rates else ""))
+    shares = ", ".join(f"{f} {d['share']:.3f}" for f, d in report["defaults"].items())
+    print(
+        f"scored {report['rows']:,} rows"
+        + (f"; cache hit rates: {rates}" if rates else "")
+        + (f"; default row shares: {shares}" if shares else "")
+    )
     print(f"wrote {report['out']}")
     return 0
 

@@ -14,7 +14,8 @@ Streaming, with memory bounded by ``buffer_rows`` rows rather than by the tables
 - plain tables: each rank file is memory-mapped, and each table's shards are copied into
   ``tables.safetensors`` by row offset, ``buffer_rows`` rows at a time.
 
-Optimizer state is dropped (weights only) unless ``keep_optimizer_state``.
+Optimizer state is dropped (weights only) unless ``keep_optimizer_state``. A bounded table keeps only
+the rows its bounds say exist and its default row (:mod:`recsys.serving.export_bounds`).
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ import torch
 
 from embedding_store import OptimizerKind, StoreError, TableSpec, scan_snapshot
 from embedding_store.backends import open_snapshot
+from embedding_store.init import init_rows
 from recsys.checkpoint import checkpoint_meta
 from recsys.config import config_to_dict
 from recsys.errors import UserError
 from recsys.serving.bundle import DENSE, FORMAT, MANIFEST, MODEL, TABLES, TIERED, VERSION, describe_files
+from recsys.serving.export_bounds import kept_rows, restrict, restricted_chunks
 from recsys.serving.output import remove_stale, temporary, write_failure
 from recsys.serving.runs import find_checkpoint, run_config
 from recsys.serving.safetensors_stream import SAFETENSORS_DTYPES, Chunks, tensor_chunks, write_safetensors
@@ -339,6 +342,7 @@ def _write(
         raise UserError(f"checkpoint {checkpoint}: no dense_arch weights; is it a model of recsys.models?")
     num_dense = int(first_layer.shape[1])
     del first, dense
+    kept = kept_rows(checkpoint, sorted(table_keys))  # bounded tables' rows
     state_names: dict[str, str | None] = dict.fromkeys(table_keys)
     for rank in range(world):  # table-wise, only the rank holding a table has its optimizer state
         payload = _load_rank(checkpoint, rank)
@@ -362,20 +366,33 @@ def _write(
         if table in layouts:
             continue
         shape, chunks = _assembled(checkpoint, world, key, "model", options.buffer_rows)
+        keep = kept.get(table)
+        feature = {
+            "name": feature_of(table),
+            "table": table,
+            "kind": "plain",
+            "dim": shape[1],
+            "rows": shape[0],
+        }
+        if keep is not None:  # only the kept rows, then their ids (the default row's last)
+            if shape[0] != int(keep[-1]) + 1:
+                raise UserError(
+                    f"checkpoint {checkpoint}: table {table} has {shape[0]} rows, its default row's id is {int(keep[-1])}"
+                )
+            chunks = restricted_chunks(chunks, keep, table)
+            shape = (keep.shape[0], shape[1])
+            feature.update(rows=shape[0], default_id=int(keep[-1]))
         plain_entries.append((f"{table}.weight", shape, "F32", chunks))
-        features.append(
-            {
-                "name": feature_of(table),
-                "table": table,
-                "kind": "plain",
-                "dim": shape[1],
-                "rows": shape[0],
-            }
-        )
+        if keep is not None:
+            plain_entries.append((f"{table}.ids", keep.shape, "I64", lambda k=keep: iter([k])))
+        features.append(feature)
         if options.keep_optimizer_state and state_names[table] is not None:
             state_shape, state_chunks = _assembled(
                 checkpoint, world, key, state_names[table], options.buffer_rows
             )  # type: ignore[arg-type]
+            if keep is not None:
+                state_chunks = restricted_chunks(state_chunks, keep, table)
+                state_shape = (keep.shape[0], *state_shape[1:])
             plain_entries.append((f"{table}.state", state_shape, "F32", state_chunks))
     write_safetensors(out / TABLES, plain_entries, {"format": FORMAT})
 
@@ -386,13 +403,16 @@ def _write(
         writer = _TieredWriter(out / Path(TIERED).parent, tables=len(tiered), map_bytes=map_bytes)
         try:
             for table in tiered:
-                rows, floats, spec_layout = _copy_tiered(writer, table, layouts[table], config, options)
+                rows, floats, spec_layout = _copy_tiered(
+                    writer, table, layouts[table], (config, kept.get(table)), options
+                )
                 row_floats = floats if row_floats is None else row_floats
                 if floats != row_floats:
                     raise UserError(f"export: tiered tables have rows of {row_floats} and {floats} floats")
                 features.append(
                     {"name": feature_of(table), "table": table, "kind": "tiered", "dim": spec_layout["dim"],
                      "rows": rows, "id_space": spec_layout["num_embeddings"]}
+                    | ({"default_id": int(kept[table][-1])} if table in kept else {})
                 )  # fmt: skip
         finally:
             writer.close()
@@ -422,10 +442,12 @@ def _copy_tiered(
     writer: _TieredWriter,
     table: str,
     sources: list[tuple[Path, dict[str, Any]]],
-    config: Any,
+    run: tuple[Any, np.ndarray | None],
     options: ExportOptions,
 ) -> tuple[int, int, dict[str, Any]]:
-    """Stream one tiered table from its snapshots into the bundle; returns (rows, floats per row, layout)."""
+    """Stream one tiered table from its snapshots into the bundle; returns (rows, floats per row, layout).
+    ``run``: the config and, for a bounded table, the ids of the rows kept (the default row's last)."""
+    config, kept = run
     layout = sources[0][1]
     if any(
         {k: other.get(k) for k in _TABLE_IDENTITY} != {k: layout.get(k) for k in _TABLE_IDENTITY}
@@ -443,10 +465,26 @@ def _copy_tiered(
     chunk = max(1, options.buffer_rows // len(sources))
     try:
         streams = [scan_snapshot(snap, spec, seed=config.train.seed, chunk_rows=chunk) for snap, _ in sources]
+        merged = _merged(streams, table)
+        if kept is not None:
+            if spec.num_embeddings is not None and int(kept[-1]) >= spec.num_embeddings:
+                raise UserError(
+                    f"export: table {table}'s default row id {int(kept[-1])} is outside its {spec.num_embeddings} ids"
+                )
+            merged = restrict(merged, kept, lambda ids: _initial(spec, ids, config.train.seed), chunk)
         rows = 0
-        for ids, values in _merged(streams, table):
+        for ids, values in merged:
             writer.append(table, ids, values[:, :keep])
             rows += ids.shape[0]
     except StoreError as err:
         raise UserError(f"export: table {table}: {err}") from None
     return rows, keep, layout
+
+
+def _initial(spec: TableSpec, ids: np.ndarray, seed: int) -> np.ndarray:
+    """The stored rows of ids a store holds no row of: their initial weights and zero optimizer state."""
+    rows = np.zeros((ids.shape[0], spec.row_floats), dtype=np.float32)
+    rows[:, : spec.dim] = init_rows(
+        ids, dim=spec.dim, seed=seed, table=spec.name, scale=spec.init_scale
+    ).numpy()
+    return rows

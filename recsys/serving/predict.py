@@ -215,7 +215,9 @@ def predict(
     at most this many rows), ``overrides`` (``section.key=value``, as for train), ``verify`` (True:
     checksums).
 
-    Returns ``{"rows", "out", "cache"}`` (``cache``: per tiered feature its hit rate).
+    Returns ``{"rows", "out", "cache", "defaults"}`` (``cache``: per tiered feature its hit rate;
+    ``defaults``: per bounded feature its ``lookups``, the ``defaults`` among them — ids without a row,
+    scored with the table's default row — and their ``share``).
 
     Raises:
         UserError: a bad bundle, data whose features do not match the model, no rows to score, an
@@ -314,7 +316,11 @@ def _score(
             writer.close(keep=False)
     stats = scorer.cache_stats()
     cache = {f: {"hit_rate": s.hit_rate, "hits": s.hits, "misses": s.misses} for f, s in stats.items()}
-    return {"rows": done, "out": str(out), "cache": cache}
+    defaults = {
+        f: {"share": d.share, "lookups": d.lookups, "defaults": d.defaults}
+        for f, d in scorer.default_stats().items()
+    }
+    return {"rows": done, "out": str(out), "cache": cache, "defaults": defaults}
 
 
 def _scored(scorer: Any, data: _Data, what: str, limit: int | None) -> Iterator[dict[str, Any]]:

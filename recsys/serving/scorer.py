@@ -3,7 +3,8 @@
 Needs torch, numpy, lmdb and safetensors only (no TorchRec, FBGEMM or torch.distributed), and runs on
 the CPU or a CUDA device. Plain tables are held in memory on the device; tiered tables are read through
 a host-DRAM LRU cache (:class:`recsys.serving.cache.RowCache`) over the bundle's LMDB, so tables larger
-than RAM are served. Sum pooling, then the dense model of :mod:`recsys.serving.model`.
+than RAM are served. An id of a bounded table without a row of its own reads the table's default row
+(:mod:`recsys.serving.bounded`). Sum pooling, then the dense model of :mod:`recsys.serving.model`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 
 from embedding_store.init import init_rows
 from recsys.errors import UserError
+from recsys.serving.bounded import BoundedPlain, DefaultStats
 from recsys.serving.bundle import DENSE, TABLES, TIERED, Bundle, BundleError, FeatureSpec, read_bundle
 from recsys.serving.cache import CacheStats, LmdbRows, RowCache, open_rows
 from recsys.serving.model import build_dense_model
@@ -27,7 +29,7 @@ from recsys.serving.raw import RawFields, bundle_spec
 __all__ = ["Scorer", "load_bundle", "UNSEEN"]
 
 # What a tiered id never stored in training gets: its deterministic initial row, as training would
-# create it, or zeros.
+# create it, or zeros. (A bounded table's id without a row gets its default row, whatever this says.)
 UNSEEN = ("init", "zeros")
 
 SparseInput = Any  # Mapping[str, ids (B,) | (values (N,), lengths (B,))], or a KeyedJaggedTensor
@@ -100,7 +102,8 @@ class Scorer:
     ``dense``: ``(B, num_dense)`` numbers. ``sparse``: for every feature of :attr:`features`, either
     ``(B,)`` ids (one per sample), or ``(values (N,), lengths (B,))`` (``lengths[i]`` ids of sample i,
     sum-pooled; 0 gives a zero vector), or a KeyedJaggedTensor with those keys. Ids are the raw ids the
-    training data had: plain tables fold them modulo their rows as training did.
+    training data had: plain tables fold them modulo their rows as training did. An id of a bounded table
+    that has no row of its own reads the table's default row; :meth:`default_stats` counts those lookups.
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class Scorer:
         self._model = model.to(device)
         tables = _load_tensors(bundle, TABLES)
         self._plain: dict[str, torch.Tensor] = {}
+        self._bounded: dict[str, BoundedPlain] = {}
         for f in bundle.features:
             if f.kind == "plain":
                 weight = tables.get(f"{f.table}.weight")
@@ -144,6 +148,13 @@ class Scorer:
                         f"bundle {bundle.path}: table {f.table} is {weight.dtype} in {TABLES}, not float32"
                     )
                 self._plain[f.name] = weight.to(device)
+                if f.default_id is not None:
+                    ids = tables.get(f"{f.table}.ids")
+                    where = f"bundle {bundle.path}: bounded table {f.table} in {TABLES}"
+                    if ids is None or tuple(ids.shape) != (f.rows,):
+                        shape = None if ids is None else tuple(ids.shape)
+                        raise BundleError(f"{where}: its ids are {shape}, model.json says {(f.rows,)}")
+                    self._bounded[f.name] = BoundedPlain(ids, f.default_id, where)
         tiered = [f for f in bundle.features if f.kind == "tiered"]
         self._rows: LmdbRows | None = None
         self._caches: dict[str, RowCache] = {}
@@ -158,6 +169,14 @@ class Scorer:
                 self._caches[f.name] = RowCache(self._rows, f, capacity=int(rows), fill=self._filler(f))
 
     def _filler(self, f: FeatureSpec) -> Any:
+        if f.default_id is not None:  # a bounded table: every id without a row reads the default row
+            assert self._rows is not None
+            found, row = self._rows.read(f.table, np.array([f.default_id], dtype=np.int64), f.dim)
+            if not found[0]:
+                raise BundleError(
+                    f"bundle {self.bundle.path}: bounded table {f.table} lacks its default row {f.default_id} in {TIERED}"
+                )
+            return lambda ids: np.repeat(row, ids.shape[0], axis=0)
         if self._unseen == "zeros":
             return lambda ids: np.zeros((ids.shape[0], f.dim), dtype=np.float32)
         return lambda ids: init_rows(
@@ -169,7 +188,11 @@ class Scorer:
     def _pool(self, f: FeatureSpec, ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
         """Sum-pooled (B, dim) embeddings of one feature."""
         if f.kind == "plain":
-            index = torch.from_numpy(ids % f.rows if f.rows else ids).to(self.device)
+            bounded = self._bounded.get(f.name)
+            if bounded is not None:
+                index = torch.from_numpy(bounded.positions(ids)).to(self.device)
+            else:
+                index = torch.from_numpy(ids % f.rows if f.rows else ids).to(self.device)
             weight = self._plain[f.name]
         else:
             if f.id_space is not None and ids.size and ids.max() >= f.id_space:
@@ -248,10 +271,20 @@ class Scorer:
         """Per tiered feature, its cache's counters (hit rate, rows read from LMDB, unseen ids)."""
         return {name: cache.stats() for name, cache in self._caches.items()}
 
+    def default_stats(self) -> dict[str, DefaultStats]:
+        """Per bounded feature, its lookups and those that read the default row (ids without a row)."""
+        out = {name: b.stats() for name, b in self._bounded.items()}
+        for f in self.bundle.features:
+            if f.kind == "tiered" and f.default_id is not None and f.name in self._caches:
+                s = self._caches[f.name].stats()
+                out[f.name] = DefaultStats(s.hits + s.misses, s.filled)
+        return {name: out[name] for name in self.features if name in out}
+
     def close(self) -> None:
         """Drop this scorer's tables and caches (the bundle's LMDB closes with its last scorer)."""
         self._caches.clear()
         self._plain.clear()
+        self._bounded.clear()
         self._rows = None
 
 
@@ -270,7 +303,8 @@ def load_bundle(
         cache_rows: host-DRAM rows cached per tiered table (or per feature, a mapping; 0: none).
         device: where the dense model and the plain tables compute (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         unseen: rows of tiered ids never stored in training: ``"init"`` (their deterministic initial
-            value, exactly as training would create them) or ``"zeros"``.
+            value, exactly as training would create them) or ``"zeros"``. A bounded table's ids
+            without a row read its default row either way, as training's evaluation does.
         verify: check every file's checksum (off: presence and sizes only; a checksum reads every byte).
 
     Raises:
