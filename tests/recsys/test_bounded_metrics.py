@@ -58,28 +58,43 @@ def _train(rank: int, world_size: int, overrides: list[str]) -> dict:
     return {run: _fit(env, [*settings, f"store.tiered={tiered}"]) for run, tiered in RUNS}
 
 
-def _fit(env, settings: list[str]) -> dict:
+def _fit(env, settings: list[str], out_dir: Path | None = None, *, resume: bool = False) -> dict:
+    """Fit in ``out_dir`` (a temporary one when None); the counters, records, summary and postfixes."""
+    if out_dir is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _fit(env, settings, Path(tmp))
     from recsys.build import TrainSpec
     from recsys.metrics import MetricsLog
     from recsys.trainer import Trainer
 
+    cfg = config_from_dict({}, [*settings, f"store.path={out_dir / 'store'}"])
+    trainer = Trainer(cfg, env, out_dir=out_dir, spec=TrainSpec(progress=_Bar))
+    trainer.start(resume=resume)
+    log = out_dir / "metrics.jsonl"
+    summary = trainer.fit(MetricsLog(log, enabled=env.is_main))
+    bounded = trainer.tiered.bounded if trainer.tiered is not None else None
+    if trainer.bounded is not None:
+        bounded = trainer.bounded.bounded
+    out = {
+        "counters": {} if bounded is None else bounded.counters(),
+        "records": [json.loads(line) for line in log.read_text().splitlines()] if env.is_main else [],
+        "summary_bounds": summary.get("bounds"),
+        "postfixes": _Bar.postfixes,
+    }
+    trainer.close()
+    return out
+
+
+def _resumed(rank: int, world_size: int, overrides: list[str]) -> dict:
+    """A tiered run in one go, and one stopped at step 80 and resumed to 160."""
+    from recsys.distributed import init_distributed
+
+    env = init_distributed(threads_per_rank=1)
+    settings = [*BASE, *overrides, f"train.nproc={world_size}", "store.tiered=true"]
+    out = {"one_go": _fit(env, settings)}
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(
-            config_from_dict({}, settings), env, out_dir=Path(tmp), spec=TrainSpec(progress=_Bar)
-        )
-        trainer.start(resume=False)
-        log = Path(tmp) / "metrics.jsonl"
-        summary = trainer.fit(MetricsLog(log, enabled=env.is_main))
-        bounded = trainer.tiered.bounded if trainer.tiered is not None else None
-        if trainer.bounded is not None:
-            bounded = trainer.bounded.bounded
-        out = {
-            "counters": {} if bounded is None else bounded.counters(),
-            "records": [json.loads(line) for line in log.read_text().splitlines()] if env.is_main else [],
-            "summary_bounds": summary.get("bounds"),
-            "postfixes": _Bar.postfixes,
-        }
-        trainer.close()
+        _fit(env, [*settings, "train.steps=80"], Path(tmp))
+        out["resumed"] = _fit(env, settings, Path(tmp), resume=True)
     return out
 
 
@@ -159,3 +174,20 @@ def test_a_run_without_bounds_reports_none():
         assert records and all("bounds" not in r for r in records)
         assert result[run]["summary_bounds"] is None
         assert result[run]["postfixes"] and all("dflt" not in p for p in result[run]["postfixes"])
+
+
+def test_a_resumed_run_reports_what_a_run_in_one_go_does():
+    """The window after a resume starts from the checkpoint's counters, and the summary's totals count
+    the steps before the resume (they are part of the checkpoint)."""
+    (result,) = run_ranks(
+        world_size=1, fn=_resumed, arg=[BOUNDS, "train.log_every=10", "train.checkpoint_every=0"]
+    )
+    one_go, resumed = result["one_go"], result["resumed"]
+    windows = {
+        name: [(r["step"], r["bounds"]) for r in run["records"] if r["kind"] == "train"]
+        for name, run in result.items()
+    }
+    assert [s for s, _ in windows["resumed"]] == list(range(10, 161, 10))
+    assert windows["resumed"] == windows["one_go"]
+    assert resumed["summary_bounds"] == one_go["summary_bounds"]
+    assert resumed["counters"] == one_go["counters"]
