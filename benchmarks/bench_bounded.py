@@ -55,7 +55,7 @@ and the final evaluation), ``samples_per_s``, ``auc``, ``logloss``, the per-tabl
 bounds counters at the end (``bounds``) and the row count of every log window (``rows_by_step``).
 
 Usage: python benchmarks/bench_bounded.py [--steps 1000] [--batch 16384] [--only admission,expiry,cap]
-       [--dir /tmp/bench_bounded] [--keep] [--smoke]   (seconds at tiny sizes: the code path, not a figure)
+       [--set KEY=VALUE ...] [--dir /tmp/bench_bounded] [--keep] [--smoke]   (seconds at tiny sizes: the code path, not a figure)
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ class Probe:
 
 
 def base_overrides(args: argparse.Namespace, out: Path) -> list[str]:
-    """bench_scale.py's stream and model, sized by ``args``, its store under ``out``."""
+    """bench_scale.py's stream and model, sized by ``args``, its store under ``out``, then every ``--set``
+    (an arm's own overrides come after them)."""
     return [
         "train.threads_per_rank=1",
         "train.nproc=1",
@@ -181,6 +182,7 @@ def base_overrides(args: argparse.Namespace, out: Path) -> list[str]:
         f"store.host_rows={args.host_rows}",
         "store.unmap_every_rows=1024",
         f"store.path={out / 'store'}",
+        *args.set,
     ]
 
 
@@ -366,6 +368,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--cap", type=int, default=262_144, help="max_rows per table")
     parser.add_argument("--cap-device-rows", type=int, default=65_536)
     parser.add_argument("--cap-host-rows", type=int, default=65_536)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every arm"
+    )
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_bounded"))
     parser.add_argument("--keep", action="store_true", help="keep every arm's folder")
