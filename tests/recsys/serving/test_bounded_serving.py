@@ -18,13 +18,21 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file as load_numpy
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from embedding_store.init import init_rows
 from recsys.serving import BundleError, load_bundle
-from recsys.serving.export import export_bundle
+from recsys.serving.export import ExportOptions, export_bundle
 from recsys.serving.predict import predict
 from tests.conftest import subprocess_env
-from tests.recsys.serving.conftest import cli, held_out_batches, summary, tiered_rows, writable_copy
+from tests.recsys.serving.conftest import (
+    bundle_digest,
+    cli,
+    held_out_batches,
+    summary,
+    tiered_rows,
+    writable_copy,
+)
 from tests.recsys.serving.test_faults import _one_line, _rehash, _rewrite_rows
 from tests.recsys.tiny import run_train, tiny_config
 
@@ -124,6 +132,31 @@ def test_the_bundle_holds_the_kept_rows_and_scores_as_training_evaluates(kind, b
 
 
 @pytest.mark.parametrize("kind", ["tiered", "memory"])
+def test_a_bundle_with_optimizer_state_has_the_runs_digest(kind, bounded_run, tmp_path):
+    """Exported with the optimizer state, the kept rows and the default rows are the whole trained state:
+    an in-memory bounded table spread back to all its rows (the others at their initial value with zero
+    state, as the trained table holds them) gives the run's model digest."""
+    run, _ = bounded_run(kind)
+    bundle = tmp_path / "full"
+    export_bundle(run, bundle, options=ExportOptions(keep_optimizer_state=True, buffer_rows=50))
+    bundle = writable_copy(bundle, tmp_path / "spread")
+    model = _model(bundle)
+    tables = load_file(bundle / "tables.safetensors")
+    seed, scale = model["init"]["seed"], model["init"]["scale"]
+    for f in model["features"]:
+        if f["kind"] == "plain" and "default_id" in f:
+            ids = tables.pop(f"{f['table']}.ids")
+            everything = torch.arange(f["default_id"] + 1)
+            weight = init_rows(everything, dim=f["dim"], seed=seed, table=f["table"], scale=scale)
+            weight[ids] = tables[f"{f['table']}.weight"]
+            state = torch.zeros(everything.shape[0])
+            state[ids] = tables[f"{f['table']}.state"]
+            tables[f"{f['table']}.weight"], tables[f"{f['table']}.state"] = weight, state
+    save_file(tables, bundle / "tables.safetensors")
+    assert bundle_digest(bundle) == summary(run)["model_digest"]
+
+
+@pytest.mark.parametrize("kind", ["tiered", "memory"])
 def test_ids_without_a_row_score_with_the_default_row(kind, bounded_run):
     """Ids the bundle has no row of score exactly as a hand computation with the default rows read from
     the bundle's files; for a tiered table that is not the ids' initial rows."""
@@ -152,8 +185,6 @@ def test_ids_without_a_row_score_with_the_default_row(kind, bounded_run):
     for name in BOUNDED:
         assert scorer.default_stats()[name].share == 1.0
     if kind == "tiered":
-        from embedding_store.init import init_rows
-
         f = features["cat_0"]
         seed, scale = scorer.bundle.init
         initial = init_rows(sparse["cat_0"][:4], dim=8, seed=seed, table=f["table"], scale=scale)
