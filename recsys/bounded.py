@@ -35,6 +35,9 @@ from embedding_store.config import MAX_ID
 __all__ = ["DEFAULT", "BoundedStep", "BoundedTables", "default_id"]
 
 DEFAULT = -1  # an owner's answer for an id that reads its table's default row
+RECENT_STEPS = 64  # decisions kept for a checkpoint: more than a pipeline decides ahead of training
+AHEAD = "~ahead/"  # checkpoint keys of the steps decided ahead of training
+_NO_IDS = np.empty(0, dtype=np.int64)
 
 _TOTALS = ("admitted_total", "expired_total", "capped_total", "default_lookups_total", "lookups_total")
 
@@ -74,6 +77,22 @@ class BoundedTables:
         self.rules = dict(rules)
         self.default_ids = {name: int(default_ids[name]) for name in self.rules}
         self.tables = {name: TableBounds(rule) for name, rule in self.rules.items() if name in held}
+        # step -> table -> (ids of the step with a row, ids removed): the last steps' decisions, which a
+        # checkpoint taken while the pipeline has decided ahead of training saves; and those loaded from
+        # one, replayed instead of decided again
+        self._recent: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+        self._replay: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+        self._observers: list[Callable[[int], None]] = []
+
+    def observe(
+        self, fn: Callable[[int], None] | None, *, remove: Callable[[int], None] | None = None
+    ) -> None:
+        """Call ``fn(step)`` after every step's decision (metrics read the counters then); ``remove``
+        stops calling a function given before."""
+        if fn is not None:
+            self._observers.append(fn)
+        if remove is not None:
+            self._observers.remove(remove)
 
     def decide(
         self, step: int, owner_ids: Mapping[str, torch.Tensor], owner_counts: Mapping[str, torch.Tensor]
@@ -92,17 +111,29 @@ class BoundedTables:
         """
         mapped: dict[str, torch.Tensor] = dict(owner_ids)
         removed: dict[str, np.ndarray] = {}
+        replay = self._replay.pop(step, None)
+        record: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for name, bounds in self.tables.items():
             ids = owner_ids[name].numpy()
             counted = ids != self.default_ids[name]
             uniq, inverse = np.unique(ids[counted], return_inverse=True)
-            occ = owner_counts[name].numpy()[counted]
-            counts = np.bincount(inverse, weights=occ, minlength=uniq.shape[0]).astype(np.int64)
-            decision = bounds.decide(step, uniq, counts)
+            if replay is not None:  # decided before the checkpoint this run resumed from
+                with_row, removed[name] = replay.get(name, (_NO_IDS, _NO_IDS))
+                uniq_own = np.isin(uniq, with_row)
+            else:
+                occ = owner_counts[name].numpy()[counted]
+                counts = np.bincount(inverse, weights=occ, minlength=uniq.shape[0]).astype(np.int64)
+                decision = bounds.decide(step, uniq, counts)
+                uniq_own, removed[name] = decision.own, decision.removed
             own = np.ones(ids.shape[0], dtype=bool)
-            own[counted] = decision.own[inverse]
+            own[counted] = uniq_own[inverse]
             mapped[name] = torch.from_numpy(np.where(own, ids, DEFAULT))
-            removed[name] = decision.removed
+            record[name] = (uniq[uniq_own], removed[name])
+        self._recent[step] = record
+        for old in [s for s in self._recent if s <= step - RECENT_STEPS]:
+            del self._recent[old]
+        for fn in self._observers:
+            fn(step)
         return BoundedStep(mapped, removed)
 
     def lookup(self, owner_ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -117,9 +148,23 @@ class BoundedTables:
 
     # -- checkpoints and counters ----------------------------------------------------------------------
 
-    def state(self) -> dict[str, np.ndarray]:
-        """Every held table's state as flat arrays (``<table>/<key>``), for a checkpoint."""
-        return {f"{name}/{key}": arr for name, b in self.tables.items() for key, arr in b.state().items()}
+    def state(self, trained: int | None = None) -> dict[str, np.ndarray]:
+        """Every held table's state as flat arrays (``<table>/<key>``), for a checkpoint; with
+        ``trained`` (the steps trained), also the decisions of the steps decided ahead of training
+        (``~ahead/<step>/<table>/own`` and ``/removed``), which a resume replays instead of deciding them
+        again: the state already holds them."""
+        out = {f"{name}/{key}": arr for name, b in self.tables.items() for key, arr in b.state().items()}
+        if trained is not None:
+            if self._recent and trained < min(self._recent):
+                raise RuntimeError(
+                    f"bounds: steps from {trained} on were decided, but only the last {RECENT_STEPS} are kept"
+                )
+            for step, record in self._recent.items():
+                if step >= trained:
+                    for name, (own, gone) in record.items():
+                        out[f"{AHEAD}{step}/{name}/own"] = own
+                        out[f"{AHEAD}{step}/{name}/removed"] = gone
+        return out
 
     def load(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore what :meth:`state` saved (tables it lacks start empty)."""
@@ -129,6 +174,7 @@ class BoundedTables:
             prefix = f"{name}/"
             part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             self.tables[name] = TableBounds.from_state(rule, part) if part else TableBounds(rule)
+        self._replay = _ahead(state)
 
     def restore(
         self,
@@ -145,11 +191,22 @@ class BoundedTables:
         if len(saved) == 1:
             self.load(saved[0])
             return
+        # the steps decided ahead: every rank's decisions, re-partitioned by id like the state
+        self._replay = {}
+        for one in saved:
+            for step, record in _ahead(one).items():
+                for name, (own, gone) in record.items():
+                    if name not in self.tables:
+                        continue
+                    have = self._replay.setdefault(step, {}).get(name, (_NO_IDS, _NO_IDS))
+                    own = np.union1d(have[0], own)
+                    gone = np.union1d(have[1], gone)
+                    self._replay[step][name] = (own[owns(name, own)], gone[owns(name, gone)])
         for name, rule in self.rules.items():
             if name not in self.tables:
                 continue
             prefix = f"{name}/"
-            parts = [{k[len(prefix) :]: v for k, v in s.items() if k.startswith(prefix)} for s in saved]
+            parts = [{k[len(prefix) :]: v for k, v in one.items() if k.startswith(prefix)} for one in saved]
             parts = [part for part in parts if part]
             if not parts:
                 self.tables[name] = TableBounds(rule)
@@ -167,3 +224,18 @@ class BoundedTables:
             name: {"rows": b.rows, "candidates": b.candidates} | {k: int(getattr(b, k)) for k in _TOTALS}
             for name, b in self.tables.items()
         }
+
+
+def _ahead(state: Mapping[str, np.ndarray]) -> dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The steps decided ahead of training that a checkpoint holds: step -> table -> (own, removed)."""
+    out: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    for key, value in state.items():
+        if not key.startswith(AHEAD) or not key.endswith("/own"):
+            continue
+        step_text, name = key[len(AHEAD) : -len("/own")].split("/", 1)
+        gone = state.get(f"{AHEAD}{step_text}/{name}/removed", _NO_IDS)
+        out.setdefault(int(step_text), {})[name] = (
+            np.asarray(value, dtype=np.int64),
+            np.asarray(gone, dtype=np.int64),
+        )
+    return out

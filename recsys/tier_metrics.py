@@ -294,22 +294,19 @@ class BoundsMetrics:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[BoundsMetrics]:
-        """Record this rank's counters after every step's decision while the context is open (it wraps
-        the ``decide`` of this ``BoundedTables`` instance, and restores it on exit)."""
-        decide = self.bounded.decide
+        """Record this rank's counters after every step's decision while the context is open (an observer
+        of this ``BoundedTables``, removed on exit)."""
 
-        def recorded(step: int, owner_ids: Any, owner_counts: Any) -> Any:
-            decided = decide(step, owner_ids, owner_counts)
+        def recorded(step: int) -> None:
             counters = self._counters()
             with self._lock:
                 self._decided[int(step)] = counters
-            return decided
 
-        self.bounded.decide = recorded  # type: ignore[method-assign]
+        self.bounded.observe(recorded)
         try:
             yield self
         finally:
-            del self.bounded.decide  # the class's method again
+            self.bounded.observe(None, remove=recorded)
 
     def _at(self, steps: int) -> np.ndarray:
         """(T, K) this rank's counters once steps ``0 .. steps - 1`` are decided (later ones excluded)."""

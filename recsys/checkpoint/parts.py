@@ -65,7 +65,8 @@ class BoundsState:
 
     def save(self, into: Checkpoint) -> list[Path]:
         path = into.path / f"bounds_rank_{into.rank}.safetensors"
-        save_file({k: np.ascontiguousarray(v) for k, v in self.bounded.state().items()}, str(path))
+        state = self.bounded.state(trained=into.step)  # with the steps a pipeline decided ahead
+        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(path))
         return [path]
 
     def restore(self, source: Checkpoint) -> None:

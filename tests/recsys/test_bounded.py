@@ -146,3 +146,57 @@ def test_a_resume_between_admission_and_expiry_trains_the_same_model(before, aft
         with tempfile.TemporaryDirectory() as out:
             (whole, *_) = run_ranks(world_size=after, fn=_part, arg=(160, False, [*common, out]))
         assert whole == results["true"]
+
+
+def _checkpointed_mid_run(rank: int, world_size: int, overrides: list[str]) -> dict:
+    """160 pipelined steps with a checkpoint at step 70 (taken while the pipeline has routed, and so
+    decided, batches ahead of training); then the later checkpoints removed and the run resumed from step
+    70 to 160. The digests of both ends."""
+    import shutil
+
+    from recsys.distributed import init_distributed
+    from recsys.metrics import MetricsLog
+    from recsys.trainer import Trainer
+
+    env = init_distributed(threads_per_rank=1)
+    out_dir = Path(overrides[-1])
+    cfg = config_from_dict(
+        {},
+        [
+            *BASE,
+            *overrides[:-1],
+            f"train.nproc={world_size}",
+            "train.steps=160",
+            "train.checkpoint_every=70",
+            "train.keep_checkpoints=5",
+        ]
+        + ["pipeline.mode=pipelined", "store.lookahead=4", f"store.path={out_dir / 'store'}"],
+    )
+    digests = []
+    for resume in (False, True):
+        trainer = Trainer(cfg, env, out_dir=out_dir)
+        trainer.start(resume=resume)
+        trainer.fit(MetricsLog(out_dir / "m.jsonl", enabled=False))
+        digests.append(trainer.digest())
+        trainer.close()
+        if not resume:
+            if rank == 0:
+                for path in (out_dir / "checkpoints").glob("step_*"):
+                    if path.name != "step_00000070":
+                        shutil.rmtree(path)
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+    return {"whole": digests[0], "resumed": digests[1]}
+
+
+@pytest.mark.parametrize("tiered", ["true", "false"])
+def test_a_checkpoint_taken_while_the_pipeline_decided_ahead_resumes_exactly(tiered):
+    """The bounds decide a step when its batch is routed, ahead of training; a checkpoint saves the state
+    with the decisions of the steps decided ahead, and the resumed run replays them instead of deciding
+    them again: it ends with the model of the run that did not stop."""
+    rules = "store.bounds={admit_after=2, admit_window_steps=50, expire_after_steps=40, max_rows=100}"
+    with tempfile.TemporaryDirectory() as out:
+        (r,) = run_ranks(world_size=1, fn=_checkpointed_mid_run, arg=[rules, f"store.tiered={tiered}", out])
+    assert r["resumed"] == r["whole"]
