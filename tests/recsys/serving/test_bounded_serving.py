@@ -41,12 +41,27 @@ FOLD = 5000  # the in-memory run's sparse.max_rows_per_table: its default rows a
 RUNS = {
     "tiered": {"store": {"tables": list(BOUNDED)}},
     "memory": {"store": {"tiered": False, "tables": list(BOUNDED)}, "sparse": {"max_rows_per_table": FOLD}},
+    # 2 ranks, row-wise: each rank owns (decides for) part of every table's ids, whose rows' union is kept.
+    "tiered_2": {
+        "store": {"tables": list(BOUNDED)},
+        "train": {"nproc": 2},
+        "sparse": {"sharding": "row_wise"},
+    },
+    "memory_2": {
+        "store": {"tiered": False, "tables": list(BOUNDED)},
+        "train": {"nproc": 2},
+        "sparse": {"sharding": "row_wise", "max_rows_per_table": FOLD},
+    },
 }
 
 
 def _config(kind: str) -> str:
     sections = {k: dict(v) for k, v in RUNS[kind].items()}
-    sections["train"] = {"steps": 30, "checkpoint_every": 10, "keep_checkpoints": 3}
+    sections["train"] = sections.get("train", {}) | {
+        "steps": 30,
+        "checkpoint_every": 10,
+        "keep_checkpoints": 3,
+    }
     sections["eval"] = {"every": 10}
     sections["pipeline"] = {"mode": "sequential"}
     sections["store.bounds"] = {"admit_after": 2, "admit_window_steps": 50, "expire_after_steps": 8}
@@ -100,7 +115,15 @@ def _folded(kind: str, ids: np.ndarray) -> np.ndarray:
     return ids % FOLD if kind == "memory" else ids
 
 
-@pytest.mark.parametrize("kind", ["tiered", "memory"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "tiered",
+        "memory",
+        pytest.param("tiered_2", marks=pytest.mark.slow),
+        pytest.param("memory_2", marks=pytest.mark.slow),
+    ],
+)
 def test_the_bundle_holds_the_kept_rows_and_scores_as_training_evaluates(kind, bounded_run):
     """model.json names each bounded table's default row; the bundle holds the rows the bounds kept and
     it; the held-out split scored from the bundle equals the trained model's evaluation bit for bit,
@@ -110,23 +133,27 @@ def test_the_bundle_holds_the_kept_rows_and_scores_as_training_evaluates(kind, b
     run, bundle = bounded_run(kind)
     model = _model(bundle)
     final = _checkpoint(run, 30)
+    world = summary(run)["world_size"]
+    in_memory = kind.startswith("memory")
     for f in model["features"]:
         if f["name"] not in BOUNDED:
             assert "default_id" not in f
             continue
-        assert f["default_id"] == (FOLD if kind == "memory" else 20000)
+        assert f["default_id"] == (FOLD if in_memory else 20000)
         kept = _row_ids(final, f["table"])
-        if kind == "memory":
+        owners = [load_numpy(str(p)).get(f"{f['table']}/row_ids") for p in final.glob("bounds_rank_*")]
+        assert sum(o is not None and o.shape[0] > 0 for o in owners) == world  # every rank kept rows
+        if in_memory:
             ids = load_file(bundle / "tables.safetensors")[f"{f['table']}.ids"].numpy()
         else:
             ids = tiered_rows(bundle, f["table"], f["dim"], model["row_floats"])[0].numpy()
         assert np.array_equal(ids, np.append(kept, f["default_id"])) and f["rows"] == ids.shape[0]
-    (oracle,) = evaluate_checkpoint(run, keep_logits=True)
-    assert oracle["auc"] == summary(run)["auc"]
     scorer = load_bundle(bundle, cache_rows=64)  # a small cache: default rows are evicted and read again
-    batches = held_out_batches(run, 0, 1)
-    logits = torch.cat([scorer.logits(b.dense, b.sparse) for b in batches])
-    assert torch.equal(logits, oracle["logits"]), (logits - oracle["logits"]).abs().max()
+    for rank, oracle in enumerate(evaluate_checkpoint(run, keep_logits=True)):
+        assert oracle["auc"] == summary(run)["auc"]
+        batches = held_out_batches(run, rank, world)
+        logits = torch.cat([scorer.logits(b.dense, b.sparse) for b in batches])
+        assert torch.equal(logits, oracle["logits"]), (rank, (logits - oracle["logits"]).abs().max())
     shares = {f: s.share for f, s in scorer.default_stats().items()}
     assert sorted(shares) == sorted(BOUNDED) and all(0.05 < s < 0.95 for s in shares.values()), shares
 
