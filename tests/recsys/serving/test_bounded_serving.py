@@ -11,6 +11,7 @@ the checkpoints' bounds state (which ids have a row) and the default rows read f
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file, save_file
 
 from embedding_store.init import init_rows
+from recsys.errors import UserError
 from recsys.serving import BundleError, load_bundle
 from recsys.serving.export import ExportOptions, export_bundle
 from recsys.serving.predict import predict
@@ -326,3 +328,46 @@ def test_a_tiered_bounded_table_without_its_default_row_is_refused(bounded_run, 
         BundleError, match=r"bounded table t_cat_0 lacks its default row 20000 in tiered/data.mdb"
     ):
         load_bundle(bundle)
+
+
+@pytest.mark.parametrize(
+    ("kind", "bounds", "message"),
+    [
+        ("tiered", None, r"has bounded tables but its meta.json does not record their default rows"),
+        (
+            "tiered",
+            {"t_cat_0": 20001, "t_cat_2": 20000},
+            r"table t_cat_0's default row id 20001 is outside its 20001 ids",
+        ),
+        (
+            "memory",
+            {"t_cat_0": 4999, "t_cat_2": 5000},
+            r"table t_cat_0 has 5001 rows, its default row's id is 4999",
+        ),
+        (
+            "memory",
+            {"t_cat_0": 100, "t_cat_2": 5000},
+            r"table t_cat_0 has a row for id \d+, outside \[0, 100\)",
+        ),
+        (
+            "memory",
+            {"t_cat_0": 5000, "t_cat_9": 5000},
+            r"meta.json bounds table t_cat_9, which the model lacks",
+        ),
+        ("memory", {"t_cat_0": True, "t_cat_2": 5000}, r"meta.json's default row id of t_cat_0 is True"),
+    ],
+    ids=["unrecorded", "past-the-ids", "not-the-last-row", "below-a-row", "unknown-table", "not-an-id"],
+)
+def test_export_refuses_a_checkpoint_whose_bounds_do_not_fit(kind, bounds, message, bounded_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(bounded_run(kind)[0], run)
+    meta_path = _checkpoint(run, 30) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    if bounds is None:
+        del meta["bounds"]
+    else:
+        meta["bounds"] = bounds
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=message) as err:
+        export_bundle(run, tmp_path / "bundle")
+    assert "\n" not in str(err.value) and not (tmp_path / "bundle").exists()
