@@ -45,17 +45,19 @@ expiry differs):
 
 - ``cap_max_rows``: the largest ids-with-a-row count of any table over the run's log windows, against
   ``cap`` (``cap_held``: it never exceeded it);
-- ``cap_log_bytes``: the size of the store's log file (``data.mdb``) after the final flush, against
-  ``cap_log_bytes_limit`` = 1.5 x ``cap`` x tables x 260 bytes (the log holds every table of the rank),
-  and ``cap_log_ratio`` = ``cap_log_bytes`` / (``cap`` x tables x 260); ``cap_log_within`` says whether
-  it is under the limit.
+- ``cap_log_bytes``: the size of the store's log file (``data.mdb``) after the flush at the end of
+  training (the close after the evaluation writes the device tier's rows again: ``log_bytes_after_run``
+  in the arm's record), against ``cap_log_bytes_limit`` = 1.5 x ``cap`` x tables x 260 bytes (the log
+  holds every table of the rank), and ``cap_log_ratio`` = ``cap_log_bytes`` / (``cap`` x tables x 260);
+  ``cap_log_within`` says whether it is under the limit.
 
 Every arm's record also holds its ``wall_s`` (the fit: training, the flush at its end (``final_flush_s``)
-and the final evaluation), ``samples_per_s``, ``auc``, ``logloss``, the per-table
-bounds counters at the end (``bounds``) and the row count of every log window (``rows_by_step``).
+and the final evaluation), ``samples_per_s``, ``auc``, ``logloss``, the per-table bounds counters at the
+end (``bounds``) and the row count of every log window (``rows_by_step``).
 
 Usage: python benchmarks/bench_bounded.py [--steps 1000] [--batch 16384] [--only admission,expiry,cap]
-       [--set KEY=VALUE ...] [--dir /tmp/bench_bounded] [--keep] [--smoke]   (seconds at tiny sizes: the code path, not a figure)
+       [--set KEY=VALUE ...] [--dir /tmp/bench_bounded] [--keep]
+       [--smoke]   (seconds at tiny sizes: the code path, not a figure)
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class Probe:
         return {"created": created, "bounded_rows": per_table, "disk": self.disk.delta()}
 
     def write(self, **record: Any) -> None:
+        """A record of the fit (``MetricsLog.write``'s keywords): a training window is sampled, and the
+        last one flushes the store (:meth:`flush`); the others are dropped."""
         if record.get("kind") != "train":
             return
         now = self.read()
@@ -143,7 +147,8 @@ class Probe:
 
     def flush(self) -> None:
         """The end of training (the last window, before the final evaluation): write every row held above
-        LMDB to it, as a run that stopped here would; then count the rows LMDB holds and the disk so far."""
+        LMDB to it, as a run that stopped here would; then count the rows LMDB holds, the disk so far and the
+        size of the log file."""
         tiered = self.trainer.tiered
         assert tiered is not None and tiered.store is not None
         start = time.perf_counter()
@@ -153,6 +158,7 @@ class Probe:
             "rows": sum(tiers[Tier.SSD] for tiers in stats.resident_rows.values()),
             "disk": self.disk.delta(),
             "seconds": time.perf_counter() - start,
+            "log_bytes": (tiered.path / "data.mdb").stat().st_size,
         }
 
 
@@ -248,7 +254,8 @@ def run_arm(args: argparse.Namespace, label: str, overrides: list[str]) -> dict[
         "eval_rows": after_fit["created"] - last["created"],
         "rows_stored_after_run": rows_stored,
         "disk_bytes_with_eval": total_disk["wchar"],
-        "log_bytes": log_bytes,
+        "log_bytes": probe.flushed["log_bytes"],
+        "log_bytes_after_run": log_bytes,
         "bounds": counters,
         "rows_by_step": [[r["step"], r["rows"]] for r in probe.rows],
         "max_table_rows": max((max(r["bounded_rows"].values(), default=0) for r in probe.rows), default=0),
