@@ -22,6 +22,7 @@ BENCHMARKS = ROOT / "benchmarks"
 
 # program -> (the flag naming its scratch folder, or None; headline keys of its last line, dotted for nesting)
 CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "bench_admission.py": ("--out", ("synthetic.1.rows", "synthetic.2.rows_ratio", "synthetic.2.auc_delta")),
     "bench_bounded.py": (
         "--dir",
         (
