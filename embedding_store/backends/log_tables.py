@@ -164,10 +164,12 @@ class LogTables(LogCompaction):
 
         Compaction reads nearly every block of its segment (a block holds a live row unless all its rows
         died), and a cursor's walk costs less than a search for each block (``getmulti``). A segment's
-        blocks have consecutive numbers (every write starts a block at the segment's next number), so
-        the walk checks only that it began on the first block, that no piece came up short and that it
-        ended on the last. The walk's block copies are joined and unpacked ``WALK_BLOCKS`` at a time:
-        they stay in reused heap memory (a join of a whole span maps fresh pages and faults on each).
+        blocks have consecutive numbers (every write starts a block at the segment's next number) except
+        where tombstones took sequence numbers without blocks, so the walk checks that it began on the
+        first block, that no piece came up short and that it ended on the last; a span with such a gap is
+        read again block by block (:meth:`_read_span_by_key`). The walk's block copies are joined and
+        unpacked ``WALK_BLOCKS`` at a time: they stay in reused heap memory (a join of a whole span maps
+        fresh pages and faults on each).
         """
         numbers, spec = ordered // t.geo.block, t.spec
         first, last = int(numbers[0]), int(numbers[-1])
@@ -181,21 +183,35 @@ class LogTables(LogCompaction):
             )
             with self._env.begin(db=t.segs[seg]) as txn:
                 cursor = txn.cursor()
-                if not cursor.set_key(ends[0]):
-                    raise missing
+                walked = cursor.set_key(ends[0])
                 walk = cursor.iternext(keys=False)
-                for a in range(lo, lo + count, WALK_BLOCKS):
+                for a in range(lo, lo + count, WALK_BLOCKS) if walked else ():
                     n = min(WALK_BLOCKS, lo + count - a)
                     values = list(itertools.islice(walk, n))
                     if len(values) != n:
-                        raise missing
+                        walked = False
+                        break
                     i, j = np.searchsorted(numbers, [a, a + n])
                     out[i:j] = rows_of_blocks(values, numbers[i:j] - a, ordered[i:j] % t.geo.block, spec)
                 # Keys ascend: the walk ends on block lo + count - 1 only if none between was missing.
-                if cursor.key() != ends[1]:
-                    raise missing
+                if not walked or cursor.key() != ends[1]:
+                    i, j = np.searchsorted(numbers, [lo, lo + count])
+                    out[i:j] = self._read_span_by_key(txn, t, numbers[i:j], ordered[i:j], missing)
             self._io.count_read(count)
         return out
+
+    @staticmethod
+    def _read_span_by_key(
+        txn: Any, t: Table, numbers: np.ndarray, ordered: np.ndarray, missing: StoreCorruptError
+    ) -> np.ndarray:
+        """Rows of ascending sequence numbers ``ordered`` (blocks ``numbers``) read block by block: a span
+        whose block numbers have gaps (tombstones' sequence numbers hold no block). Every block holding
+        one of the rows must be there."""
+        need = np.unique(numbers)
+        values = [txn.get(key) for key in encode_keys(need)]
+        if any(v is None for v in values):
+            raise missing
+        return rows_of_blocks(values, np.searchsorted(need, numbers), ordered % t.geo.block, t.spec)
 
     def _read_blocks(self, t: Table, keys: list[bytes], seg_of: np.ndarray, run: slice) -> list[bytes | None]:
         # A get per key: py-lmdb's getmulti also builds a (key, value) tuple and a key copy per key, and
