@@ -166,7 +166,7 @@ class LogTables(LogCompaction):
         died), and a cursor's walk costs less than a search for each block (``getmulti``). A segment's
         blocks have consecutive numbers (every write starts a block at the segment's next number) except
         where tombstones took sequence numbers without blocks, so the walk checks that it began on the
-        first block, that no piece came up short and that it ended on the last; a span with such a gap is
+        first block and that each piece of it ended on the block it should; a span with such a gap is
         read again block by block (:meth:`_read_span_by_key`). The walk's block copies are joined and
         unpacked ``WALK_BLOCKS`` at a time: they stay in reused heap memory (a join of a whole span maps
         fresh pages and faults on each).
@@ -177,7 +177,7 @@ class LogTables(LogCompaction):
         out = np.empty((ordered.shape[0], spec.row_floats), dtype=np.float32)
         for lo in range(first, last + 1, step):  # the mapped pages are dropped between chunks (bounded RSS)
             count = min(step, last + 1 - lo)
-            ends = encode_keys(np.array([lo, lo + count - 1]))
+            ends = encode_keys(np.array([lo]))
             missing = StoreCorruptError(
                 f"table {spec.name!r}: blocks {lo}..{lo + count - 1} of log segment {seg} are not all there"
             )
@@ -188,13 +188,13 @@ class LogTables(LogCompaction):
                 for a in range(lo, lo + count, WALK_BLOCKS) if walked else ():
                     n = min(WALK_BLOCKS, lo + count - a)
                     values = list(itertools.islice(walk, n))
-                    if len(values) != n:
+                    # Keys ascend: a piece ends on block a + n - 1 only if none in it was missing.
+                    if len(values) != n or cursor.key() != encode_keys(np.array([a + n - 1]))[0]:
                         walked = False
                         break
                     i, j = np.searchsorted(numbers, [a, a + n])
                     out[i:j] = rows_of_blocks(values, numbers[i:j] - a, ordered[i:j] % t.geo.block, spec)
-                # Keys ascend: the walk ends on block lo + count - 1 only if none between was missing.
-                if not walked or cursor.key() != ends[1]:
+                if not walked:
                     i, j = np.searchsorted(numbers, [lo, lo + count])
                     out[i:j] = self._read_span_by_key(txn, t, numbers[i:j], ordered[i:j], missing)
             self._io.count_read(count)

@@ -561,9 +561,11 @@ def test_sigkill_inside_compaction_many_times(tmp_path: Path) -> None:
         _kill_in_compaction(tmp_path / str(seed), seed=seed, kills=6)
 
 
-def test_compaction_reads_a_segment_whose_blocks_have_gaps_where_tombstones_are(tmp_path):
-    """Tombstones take sequence numbers but write no blocks, so a segment's block numbers can have gaps;
-    compacting it keeps every live row exact (it used to stop at the gap as a corrupt segment)."""
+@pytest.mark.parametrize("sizes", [(16, 16, 16), (13, 11, 19), (5, 3, 40)])
+def test_compaction_reads_a_segment_whose_blocks_have_gaps_where_tombstones_are(tmp_path, sizes):
+    """Tombstones take sequence numbers but write no blocks, so a segment's block numbers can have gaps
+    (after full blocks or after a write's short last block); compacting it keeps every live row exact (it
+    used to stop at the gap as a corrupt segment, or misread a short block)."""
     from embedding_store.backends import open_backend
 
     wide = TableSpec(name="w", dim=60, optimizer=OptimizerKind.EXACT_SGD)  # 8 rows a block
@@ -575,15 +577,16 @@ def test_compaction_reads_a_segment_whose_blocks_have_gaps_where_tombstones_are(
         backend.put_rows([("w", ids, rows)])
         want.update(zip(ids.tolist(), rows, strict=True))
 
+    first, gone, then = sizes
     backend = open_backend(tmp_path / "s", options=options, seed=0, tables=[wide])
-    put(backend, np.arange(16))  # blocks 0, 1
-    put(backend, np.arange(200, 216))  # blocks 2, 3
-    backend.delete_rows("w", np.arange(200, 216))  # sequence numbers of blocks 4, 5: no blocks
-    for i in range(200, 216):
+    put(backend, np.arange(first))
+    put(backend, np.arange(200, 200 + gone))
+    backend.delete_rows("w", np.arange(200, 200 + gone))  # their tombstones' sequence numbers: no blocks
+    for i in range(200, 200 + gone):
         del want[i]
-    put(backend, np.arange(16, 32))  # blocks 6, 7: segment 0 is full
-    for k in range(40):  # the odd ids rewritten until segment 0 is compacted
-        put(backend, np.arange(1, 32, 2), float(k))
+    put(backend, np.arange(first, first + then))
+    for k in range(40):  # the odd ids rewritten until the first segments are compacted
+        put(backend, np.arange(1, first + then, 2), float(k))
     assert backend.log.stats.compactions > 0
     for reopen in (False, True):
         if reopen:
