@@ -15,14 +15,13 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store.bounds_rule import BoundsRule
 from embedding_store.init import init_rows
 from recsys.bounded import DEFAULT, BoundedTables
 from recsys.data.batch import Batch
 from recsys.distributed import collective_timeout
-from recsys.routing import DistExchange, Exchange, Ownership, Router, values_by_feature
+from recsys.routing import DistExchange, Exchange, Ownership, Router, values_by_feature, with_values
 from recsys.sharding import LocalShard, local_shards
 
 __all__ = ["InMemoryBounds"]
@@ -74,8 +73,7 @@ class InMemoryBounds:
     def remap(self, step: int, batch: Batch, *, channel: str = TRAIN) -> Batch:
         """The batch with every bounded table's ids that read the default row replaced by its id; for a
         training batch, decide step ``step`` and reset the rows it removes first (collective)."""
-        kjt = batch.sparse
-        values = values_by_feature(kjt)
+        values = values_by_feature(batch.sparse)
         ids = {name: values[self.feature[name]] for name in self.names}
         exchange = self._exchanges[channel]
         train = channel == TRAIN
@@ -94,16 +92,11 @@ class InMemoryBounds:
         else:
             mapped = self.bounded.lookup(routed.owner_ids)
         back = self._router.return_slots(routed, mapped, exchange)
-        for name in self.names:
-            got = back[name]
-            values[self.feature[name]] = torch.where(got == DEFAULT, self.bounded.default_ids[name], got)
-        sparse = KeyedJaggedTensor(
-            keys=kjt.keys(),
-            values=torch.cat([values[k] for k in kjt.keys()]),
-            lengths=kjt.lengths(),
-            stride=kjt.stride(),
+        defaults = self.bounded.default_ids
+        return with_values(
+            batch,
+            {self.feature[n]: torch.where(back[n] == DEFAULT, defaults[n], back[n]) for n in self.names},
         )
-        return Batch(dense=batch.dense, sparse=sparse, labels=batch.labels)
 
     @torch.no_grad()
     def _reset(self, removed: dict) -> None:

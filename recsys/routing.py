@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys.data.batch import Batch
 from recsys.errors import UserError
 from recsys.store_config import StoreSection
 
@@ -44,6 +45,7 @@ __all__ = [
     "owner_of_ids",
     "tiered_features",
     "values_by_feature",
+    "with_values",
 ]
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # as int64, for wrapping torch multiplies
@@ -74,6 +76,20 @@ def owner_of_ids(ids: torch.Tensor, world_size: int) -> torch.Tensor:
 def values_by_feature(kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
     """Each feature's values of a KeyedJaggedTensor, (n_f,) views in key order."""
     return dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()), strict=True))
+
+
+def with_values(batch: Batch, replaced: Mapping[str, torch.Tensor]) -> Batch:
+    """``batch`` with the values of the features in ``replaced`` swapped for the given (n_f,) tensors
+    (same lengths; the other features and the dense part unchanged)."""
+    kjt = batch.sparse
+    values = values_by_feature(kjt) | dict(replaced)
+    sparse = KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=torch.cat([values[k] for k in kjt.keys()]),
+        lengths=kjt.lengths(),
+        stride=kjt.stride(),
+    )
+    return Batch(dense=batch.dense, sparse=sparse, labels=batch.labels)
 
 
 def tiered_features(store: StoreSection, features: Sequence[str]) -> list[str]:

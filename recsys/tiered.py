@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embedding_store import (
     LmdbOptions,
@@ -49,7 +48,15 @@ from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.distributed import collective_timeout
 from recsys.pipeline_config import PipelineSection
-from recsys.routing import DistExchange, Exchange, Ownership, RoutedIds, Router, values_by_feature
+from recsys.routing import (
+    DistExchange,
+    Exchange,
+    Ownership,
+    RoutedIds,
+    Router,
+    values_by_feature,
+    with_values,
+)
 from recsys.sharding import local_shards
 from recsys.sparse import ShardingKind, SparseConfig
 from recsys.tier_counters import COUNTERS, TierCounters
@@ -321,17 +328,7 @@ class TieredTables:
             for name in self.bounded.default_ids:
                 got = value_slots[name]
                 value_slots[name] = torch.where(got[:-1] == DEFAULT, got[-1], got[:-1])
-        kjt = routed.batch.sparse
-        values = values_by_feature(kjt)
-        for name in self.names:
-            values[self.feature[name]] = value_slots[name]
-        sparse = KeyedJaggedTensor(
-            keys=kjt.keys(),
-            values=torch.cat([values[k] for k in kjt.keys()]),
-            lengths=kjt.lengths(),
-            stride=kjt.stride(),
-        )
-        return Batch(dense=routed.batch.dense, sparse=sparse, labels=routed.batch.labels)
+        return with_values(routed.batch, {self.feature[name]: value_slots[name] for name in self.names})
 
     def release(self, batch_id: int) -> None:
         """Unpin a batch's rows after its backward and optimizer step."""
