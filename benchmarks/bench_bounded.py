@@ -72,6 +72,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_scale import stream_overrides
 from harness import emit, machine_info, quiet
 from ssd_tier.disk import DiskIo
 from tiered_training.runs import SilentProgress
@@ -175,18 +176,7 @@ def base_overrides(args: argparse.Namespace, out: Path) -> list[str]:
         "train.final_checkpoint=false",
         "eval.every=0",
         f"eval.batch_size={min(args.batch, 16384)}",
-        "synthetic.num_dense=13",
-        f"synthetic.num_sparse={args.tables}",
-        f"synthetic.id_space={2**63}",
-        "synthetic.zipf_alpha=1.05",
-        "model.embedding_dim=64",
-        "model.dense_arch=[128, 64]",
-        "model.over_arch=[128, 64]",
-        "sparse.optimizer=exact_rowwise_adagrad",
-        "store.tiered=true",
-        f"store.device_rows={args.device_rows}",
-        f"store.host_rows={args.host_rows}",
-        "store.unmap_every_rows=1024",
+        *stream_overrides(args),
         f"store.path={out / 'store'}",
         *args.set,
     ]

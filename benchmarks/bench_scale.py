@@ -160,18 +160,11 @@ def recording_tables(
     return RecordingTables
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    features = [f"cat_{i}" for i in range(args.tables)]
-    overrides = [
-        "train.threads_per_rank=1",
-        "train.nproc=1",
-        f"train.steps={args.steps}",
-        f"train.batch_size={args.batch}",
-        "train.log_every=20",
-        "train.checkpoint_every=0",
-        "eval.every=0",
-        "synthetic.eval_samples=256",
-        "eval.batch_size=256",
+def stream_overrides(args: argparse.Namespace) -> list[str]:
+    """The stream, model and tiers of this benchmark (``--tables``, ``--device-rows``, ``--host-rows``):
+    Zipf 1.05 over raw 63-bit ids, dim 64, row-wise Adagrad, tiered with mapped pages dropped every 1,024
+    rows. ``bench_bounded.py`` trains on the same."""
+    return [
         "synthetic.num_dense=13",
         f"synthetic.num_sparse={args.tables}",
         f"synthetic.id_space={2**63}",
@@ -184,6 +177,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"store.device_rows={args.device_rows}",
         f"store.host_rows={args.host_rows}",
         "store.unmap_every_rows=1024",
+    ]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    features = [f"cat_{i}" for i in range(args.tables)]
+    overrides = [
+        "train.threads_per_rank=1",
+        "train.nproc=1",
+        f"train.steps={args.steps}",
+        f"train.batch_size={args.batch}",
+        "train.log_every=20",
+        "train.checkpoint_every=0",
+        "eval.every=0",
+        "synthetic.eval_samples=256",
+        "eval.batch_size=256",
+        *stream_overrides(args),
         f"store.path={args.dir / 'store'}",
     ]
     cfg = config_from_dict({}, overrides)
