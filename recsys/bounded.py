@@ -84,15 +84,13 @@ class BoundedTables:
         self._replay: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
         self._observers: list[Callable[[int], None]] = []
 
-    def observe(
-        self, fn: Callable[[int], None] | None, *, remove: Callable[[int], None] | None = None
-    ) -> None:
-        """Call ``fn(step)`` after every step's decision (metrics read the counters then); ``remove``
-        stops calling a function given before."""
-        if fn is not None:
-            self._observers.append(fn)
-        if remove is not None:
-            self._observers.remove(remove)
+    def observe(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(step)`` after every step's decision (metrics read the counters then)."""
+        self._observers.append(fn)
+
+    def unobserve(self, fn: Callable[[int], None]) -> None:
+        """Stop calling ``fn``, given to :meth:`observe` before."""
+        self._observers.remove(fn)
 
     def decide(
         self, step: int, owner_ids: Mapping[str, torch.Tensor], owner_counts: Mapping[str, torch.Tensor]

@@ -306,7 +306,7 @@ class BoundsMetrics:
         try:
             yield self
         finally:
-            self.bounded.observe(None, remove=recorded)
+            self.bounded.unobserve(recorded)
 
     def _at(self, steps: int) -> np.ndarray:
         """(T, K) this rank's counters once steps ``0 .. steps - 1`` are decided (later ones excluded)."""
