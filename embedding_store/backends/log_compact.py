@@ -59,12 +59,17 @@ class LogCompaction:
         return alive.records[seg] - alive.live[seg] - (0 if seg == oldest else alive.tombs[seg])
 
     def _victim(self, t: Table) -> int | None:
-        """The sealed segment to compact now (the deadest, while the log is ``compact_at`` dead), or None."""
-        head, records = t.next_seq // t.geo.segment, t.alive.records
+        """The sealed segment to compact now (the deadest, while the log's rows are ``compact_at`` dead),
+        or None."""
+        head, alive = t.next_seq // t.geo.segment, t.alive
+        records = alive.records
         if not records:
             return None
-        total, oldest = sum(records.values()), min(records)
-        if sum(self._reclaimable(t, seg, oldest) for seg in records) < self._compact_at * total:
+        oldest = min(records)
+        # rows, not records: a tombstone holds no row (a few bytes of its run), and tombstones counted
+        # in the total would let the rows' dead share grow past compact_at
+        rows = sum(records.values()) - sum(alive.tombs.values())
+        if rows - sum(alive.live.values()) < self._compact_at * rows:
             return None
         sealed = [seg for seg in records if seg < head and self._reclaimable(t, seg, oldest) > 0]
         # the deadest: the least kept (live rows, and tombstones to copy) per record
@@ -95,11 +100,18 @@ class LogCompaction:
                 [(t, ids[a : a + COPY_ROWS], rows, np.arange(first, first + rows.shape[0], dtype=np.int64))]
             )
             self.stats.copied_rows += rows.shape[0]
-        if tomb_ids.shape[0] and seg != min(t.alive.records):
+        forget = np.zeros(0, dtype=np.int64)
+        if tomb_ids.shape[0]:
+            later = [s for s in t.alive.records if s != seg]
+            floor = min(later) * t.geo.segment if later else t.next_seq  # the oldest record left
             with self._index_lock:  # the tombstones that still hide their ids: the newest of each
-                keep = t.deleted.tomb_of(tomb_ids) == tomb_seqs
-                keep &= t.deleted.hides(tomb_ids, t.index.lookup(tomb_ids))
-            carry = np.sort(tomb_ids[keep])
+                puts = t.index.lookup(tomb_ids)
+                keep = (t.deleted.tomb_of(tomb_ids) == tomb_seqs) & t.deleted.hides(tomb_ids, puts)
+            # an id whose newest put is older than every record left has no record left: the index
+            # forgets it with its tombstone; the others' tombstones go to the head
+            gone = keep & (puts < floor)
+            forget = np.sort(tomb_ids[gone])
+            carry = np.sort(tomb_ids[keep & ~gone])
             if carry.shape[0]:
                 first = t.next_seq
                 self._append([], [(t, carry, np.arange(first, first + carry.shape[0], dtype=np.int64))])
@@ -126,7 +138,12 @@ class LogCompaction:
         with self._index_lock:
             t.segs.pop(seg, None)
             t.alive.drop(seg)
+            if forget.shape[0]:
+                t.index.remove(forget)
+                t.deleted.forget(forget)
+                t.version += 1
         self.stats.compactions += 1
+        self.stats.forgotten_ids += forget.shape[0]
 
     def _runs_of(
         self, t: Table, seg: int

@@ -63,13 +63,15 @@ class LogStats:
     compact_s: float = 0.0  # wall time spent compacting
     readahead_bytes: int = 0  # bytes of compacted segments asked for ahead of their reads
     deleted_rows: int = 0  # rows removed by delete_rows
+    forgotten_ids: int = 0  # deleted ids whose last record a compaction dropped (gone from the index)
 
 
 class Deleted:
     """The ids whose newest record is a tombstone: id -> the tombstone's sequence number.
 
-    The id index (:mod:`embedding_store.log_index`) never removes an id; an id is stored when the index
-    has it at a number above its tombstone's (a put after the delete gets a higher number).
+    A deleted id stays in the id index (:mod:`embedding_store.log_index`) while a record of it may be on
+    disk; an id is stored when the index has it at a number above its tombstone's (a put after the delete
+    gets a higher number). Compaction forgets an id (index and tombstone) once its last record is dropped.
     """
 
     def __init__(self) -> None:
@@ -93,9 +95,15 @@ class Deleted:
         """The tombstones ``tombs`` hide ``ids`` (``old``: their numbers in the index); returns ``old``
         with -1 for the ids that were not stored (absent, or hidden already): the rest's records die."""
         stored = (old >= 0) & ~self.hides(ids, old)
-        self._tombs.upsert(ids, tombs)
+        has = old >= 0  # a tombstone of an id without a record hides nothing
+        self._tombs.upsert(ids[has], tombs[has])
         self.hidden += int(stored.sum())
         return np.where(stored, old, -1)
+
+    def forget(self, ids: np.ndarray) -> None:
+        """Hidden ``ids`` left the index with their last records: their tombstones are no longer needed."""
+        self._tombs.remove(ids)
+        self.hidden -= ids.shape[0]
 
     def put(self, ids: np.ndarray, old: np.ndarray) -> np.ndarray:
         """``ids`` were just put (``old``: their previous numbers); returns ``old`` with -1 for the ids

@@ -293,3 +293,65 @@ def test_log_a_tombstone_outlives_the_compaction_of_its_segment(tmp_path: Path) 
     assert found.tolist() == [False] + [True] * 63 and np.array_equal(got, rows[1:])
     assert backend.num_rows("w") == 64  # ids 1..63 and 100
     backend.close()
+
+
+def test_log_forgets_a_deleted_id_only_once_no_record_of_it_is_left(tmp_path: Path) -> None:
+    """A deleted id's tombstone is dropped (and the index forgets the id) when its segment is compacted
+    and every put of the id is older than the oldest segment left; while an older put is on disk, the
+    tombstone goes to the head, so a reopen never brings that put back."""
+    wide = TableSpec(name="w", dim=60, optimizer=OptimizerKind.EXACT_SGD)  # 8 rows a block
+    options = LmdbOptions(log_segment_rows=64, log_compact_at=0.95)  # compaction only when asked
+    backend = open_backend(tmp_path / "s", options=options, seed=SEED, tables=[wide])
+    log = backend.log  # type: ignore[attr-defined]
+    t = log._tables["w"]
+    rows = np.arange(64 * wide.row_floats, dtype=np.float32).reshape(64, -1)
+    backend.put_rows([("w", np.arange(64), rows)])  # segment 0: id 0's first put among them
+    backend.put_rows([("w", np.arange(1), rows[:1] + 1)])  # segment 1: id 0's newest put
+    backend.put_rows([("w", np.arange(1000, 1063), rows[:63])])  # fills segment 1
+    backend.delete_rows("w", np.array([0]))  # segment 2: the tombstone
+    backend.put_rows([("w", np.arange(2000, 2070), np.tile(rows[:1], (70, 1)))])
+    assert sorted(t.segs) == [0, 1, 2, 3]
+    log.compact("w", 1)  # id 0's newest put (dead) is gone, its first put in segment 0 is not
+    log.compact("w", 2)  # so the tombstone is carried to the head and the index keeps id 0
+    assert log.stats.forgotten_ids == 0 and t.index.lookup(np.array([0]))[0] >= 0
+    backend.close()
+    backend = open_backend(tmp_path / "s", options=options, seed=SEED, tables=[wide])
+    log = backend.log  # type: ignore[attr-defined]
+    assert not backend.get_rows("w", np.array([0]))[0].any()
+    log.compact("w", 0)  # the first put goes too: the carried tombstone hides nothing left
+    tomb_seg = int(log._tables["w"].deleted.tomb_of(np.array([0]))[0]) // 64
+    backend.put_rows([("w", np.arange(3000, 3200), np.tile(rows[:1], (200, 1)))])  # seals its segment
+    log.compact("w", tomb_seg)
+    assert log.stats.forgotten_ids == 1 and log._tables["w"].index.lookup(np.array([0]))[0] == -1
+    assert len(log._tables["w"].deleted) == 0 and backend.num_rows("w") == 63 + 63 + 70 + 200
+    backend.close()
+    backend = open_backend(tmp_path / "s", options=options, seed=SEED, tables=[wide])
+    assert not backend.get_rows("w", np.array([0]))[0].any() and backend.num_rows("w") == 396
+    backend.close()
+
+
+def test_log_under_churn_of_new_ids_stays_bounded(tmp_path: Path) -> None:
+    """Rows that are put once and deleted (a capped table's churn): the log's rows stay within
+    1 / (1 - compact_at) of the live ones plus the open segments, and the index and the tombstones stay
+    bounded (an index that never forgot a deleted id grew with every delete)."""
+    rng, oracle = np.random.default_rng(5), Oracle()
+    backend = _open(tmp_path / "s", "log", log_compact_at=0.25)
+    t = backend.log._tables["u"]  # type: ignore[attr-defined]
+    live, first = 400, 0
+    for _ in range(150):
+        ids = np.arange(first, first + 60, dtype=np.int64) * 7
+        first += 60
+        oracle.put(backend, UNBOUNDED, ids, _rows(rng, UNBOUNDED, 60))
+        have = np.array(sorted(oracle.rows["u"]), dtype=np.int64)
+        if have.shape[0] > live:
+            oracle.delete(backend, UNBOUNDED, have[: have.shape[0] - live])
+        records = sum(t.alive.records.values())
+        tombs = sum(t.alive.tombs.values())
+        assert records - tombs <= live / 0.75 + 2 * 64
+        assert tombs <= live + 4 * 64 and len(t.index) <= 2 * live + 4 * 64
+    assert backend.log.stats.forgotten_ids > 5 * live  # type: ignore[attr-defined]
+    oracle.check(backend, rng)
+    backend.close()
+    backend = _open(tmp_path / "s", "log", log_compact_at=0.25)
+    oracle.check(backend, rng)
+    backend.close()
