@@ -77,6 +77,11 @@ class TableSpec:
         init_scale: never-seen rows are ``init_rows(..., scale=init_scale)``: uniform in [-s, s).
         device_capacity_rows: slots of this table's device tier; None takes ``StoreConfig``'s value.
         host_capacity_rows: rows of this table's host arena; None takes ``StoreConfig``'s value.
+        expected_max_rows: the most rows the caller will keep stored (it deletes beyond them, as a
+            bounded table's row cap does; the store does not enforce it), or None. The log layout then
+            packs the table for space: a new store's segments are about a 32nd of it and its blocks
+            the rows a page holds most of, and compaction keeps the table's rows at most
+            ``CAPPED_COMPACT_AT`` dead (docs/store-format.md, "A table with a row cap").
     """
 
     name: str
@@ -86,6 +91,7 @@ class TableSpec:
     init_scale: float = 0.01
     device_capacity_rows: int | None = None
     host_capacity_rows: int | None = None
+    expected_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.name)
@@ -101,6 +107,14 @@ class TableSpec:
             )
         if not math.isfinite(self.init_scale) or self.init_scale < 0:
             raise ValueError(f"TableSpec.init_scale must be finite and >= 0, got {self.init_scale!r}")
+        if self.expected_max_rows is not None and (
+            not isinstance(self.expected_max_rows, int)
+            or isinstance(self.expected_max_rows, bool)
+            or self.expected_max_rows < 1
+        ):
+            raise ValueError(
+                f"TableSpec.expected_max_rows must be None or an int >= 1, got {self.expected_max_rows!r}"
+            )
         for name in ("device_capacity_rows", "host_capacity_rows"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

@@ -224,6 +224,7 @@ class TieredTables:
                 num_embeddings=num_embeddings_for(tiered[name]),
                 device_capacity_rows=shards[name].weight.shape[0],
                 host_capacity_rows=plan.capacities.host_rows[self.feature[name]],
+                expected_max_rows=(plan.bounds[name].max_rows or None) if name in plan.bounds else None,
             )
             for name in sorted(shards)
         ]

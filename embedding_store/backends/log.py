@@ -34,7 +34,11 @@ class LogBackend(LmdbRows):
     def _geometry(self, spec: TableSpec) -> tuple[int, int]:
         """A new table's: ``BLOCK_BYTES`` a block, at most what fits a leaf page of this environment."""
         geo, rows = Geometry.of(spec, self._options.log_segment_rows), self._options.log_segment_rows
-        limit = max(1, max_block_bytes(int(self._env.stat()["psize"])) // spec.row_bytes)
+        page = int(self._env.stat()["psize"])
+        if spec.expected_max_rows is not None:  # a row cap: packed for space
+            geo = Geometry.capped(spec, rows, page, max_block_bytes(page))
+            return geo.block, geo.segment
+        limit = max(1, max_block_bytes(page) // spec.row_bytes)
         if geo.block > limit:
             geo = Geometry(block=limit, segment=limit * max(1, rows // limit))
         return geo.block, geo.segment

@@ -27,10 +27,13 @@ from embedding_store.backends.log_format import encode_keys, segment_name
 from embedding_store.backends.log_records import LogIo, LogStats, Table
 from embedding_store.errors import StoreCorruptError
 
-__all__ = ["COPY_ROWS", "LogCompaction"]
+__all__ = ["CAPPED_COMPACT_AT", "COPY_ROWS", "LogCompaction"]
 
 # Live rows of a compaction's copy per transaction (bounds the dirty pages and the blocks held).
 COPY_ROWS = 1 << 16
+# The dead share of a table with a row cap (TableSpec.expected_max_rows) at which it is compacted, when
+# ``log_compact_at`` is higher: its file stays near 1.5x the cap's bytes (docs/store-format.md).
+CAPPED_COMPACT_AT = 0.2
 
 
 class LogCompaction:
@@ -69,7 +72,10 @@ class LogCompaction:
         # rows, not records: a tombstone holds no row (a few bytes of its run), and tombstones counted
         # in the total would let the rows' dead share grow past compact_at
         rows = sum(records.values()) - sum(alive.tombs.values())
-        if rows - sum(alive.live.values()) < self._compact_at * rows:
+        at = (
+            self._compact_at if t.spec.expected_max_rows is None else min(self._compact_at, CAPPED_COMPACT_AT)
+        )
+        if rows - sum(alive.live.values()) < at * rows:
             return None
         sealed = [seg for seg in records if seg < head and self._reclaimable(t, seg, oldest) > 0]
         # the deadest: the least kept (live rows, and tombstones to copy) per record

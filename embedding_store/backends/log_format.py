@@ -15,6 +15,7 @@ from embedding_store.errors import StoreCorruptError
 
 __all__ = [
     "BLOCK_BYTES",
+    "CAPPED_MIN_SEGMENT_ROWS",
     "RUN_IDS",
     "Geometry",
     "blocks_of",
@@ -33,6 +34,8 @@ RUN_IDS = 240
 # while it copies the value, holding the interpreter lock, so cold reads would fault one at a time, and
 # dropping a segment would read every one of its overflow pages.
 BLOCK_BYTES = 2016
+# The smallest segment of a table with a row cap (Geometry.capped): bounds the segments of small tables.
+CAPPED_MIN_SEGMENT_ROWS = 2048
 
 
 def segment_name(table: str, segment: int) -> bytes:
@@ -61,6 +64,24 @@ class Geometry:
     def of(spec: TableSpec, segment_rows: int) -> Geometry:
         block = max(1, BLOCK_BYTES // spec.row_bytes)
         return Geometry(block=block, segment=block * max(1, segment_rows // block))
+
+    @staticmethod
+    def capped(spec: TableSpec, segment_rows: int, page_size: int, largest_block: int) -> Geometry:
+        """A table of at most ``spec.expected_max_rows`` rows, packed for space: blocks of the row count
+        that puts the most rows in a leaf page (5 rows of 260 bytes, three blocks a 4 KiB page: 15 rows
+        where 7-row blocks fit 14), segments of about a 32nd of the rows (a dropped segment's pages
+        come back to LMDB's free list two commits later: smaller segments, less file held by them), at
+        least ``CAPPED_MIN_SEGMENT_ROWS`` and at most ``segment_rows``."""
+        assert spec.expected_max_rows is not None
+        rb = spec.row_bytes
+        # a leaf page holds its 16-byte header and, per node, an index slot, a node header, a key and
+        # the value: 2 + 8 + 8 + block bytes
+        block = max(
+            range(1, max(1, largest_block // rb) + 1),
+            key=lambda r: (r * ((page_size - 16) // (r * rb + 18)), r),
+        )
+        rows = max(CAPPED_MIN_SEGMENT_ROWS, 1 << max(0, (spec.expected_max_rows // 32).bit_length() - 1))
+        return Geometry(block=block, segment=block * max(1, min(segment_rows, rows) // block))
 
     def plan(self, ordered: np.ndarray) -> tuple[np.ndarray, list[bytes], np.ndarray, list[int]]:
         """For ascending sequence numbers: the index of each one's block among the distinct blocks, the
