@@ -11,6 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from embedding_store.config import MAX_ID
 from recsys.checkpoint import files as ckpt_files
 from recsys.checkpoint.files import (
     _DIGEST,
@@ -119,6 +120,12 @@ def _meta_problem(path: Path, meta: Any) -> str | None:
     digest = meta.get("digest")
     if digest is not None and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
         return f"digest must be 32 hexadecimal digits, got {_short(digest)}"
+    bounds = meta.get("bounds")
+    if bounds is not None and not (
+        isinstance(bounds, dict)
+        and all(isinstance(k, str) and k and type(v) is int and 0 < v <= MAX_ID for k, v in bounds.items())
+    ):
+        return f"bounds must map table names to default row ids in [1, 2**63), got {_short(bounds)}"
     if meta.get("spec") is not None and not isinstance(meta["spec"], dict):
         return f"spec must be an object, got {_short(meta['spec'])}"
     if not isinstance(files, dict):
@@ -150,7 +157,8 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
         features) and ``spec`` (the dataset spec, :func:`recsys.data.spec.spec_to_dict`) are None when
         the checkpoint was saved without them (``spec``: or the data had none); so are
         ``store_tables`` (the tables whose rows are in the store snapshots, the others are in memory) and
-        ``digest`` (the model digest, with ``train.checkpoint_digest``).
+        ``digest`` (the model digest, with ``train.checkpoint_digest``) and ``bounds`` (each bounded
+        table's default row id).
 
     Raises:
         CheckpointError: one line naming the problem and the offending value.
@@ -165,7 +173,7 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
     if (problem := _meta_problem(path, meta)) is not None:
         raise CheckpointError(f"{path / META}: {problem}")
     keys = ("format", "step", "world_size", "files", "fingerprint", "trainer", "features", "spec")
-    keys += ("store_tables", "digest")
+    keys += ("store_tables", "digest", "bounds")
     return {key: meta.get(key) for key in keys}
 
 

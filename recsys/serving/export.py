@@ -248,7 +248,7 @@ def export_bundle(
         tmp.mkdir(parents=True)
         order = meta.get("features") or _dataset_order(config)
         spec = meta.get("spec") if meta.get("features") else _recorded_spec(config)
-        report = _write(path, tmp, config=config, world=int(meta["world_size"]), order=order, options=options)
+        report = _write(path, tmp, config=config, meta=meta, order=order, options=options)
         model = {
             **report.pop("model"),
             "source": {
@@ -312,10 +312,18 @@ def _digest_of(run: Path, step: int) -> str | None:
 
 
 def _write(
-    checkpoint: Path, out: Path, *, config: Any, world: int, order: list[str], options: ExportOptions
+    checkpoint: Path,
+    out: Path,
+    *,
+    config: Any,
+    meta: dict[str, Any],
+    order: list[str],
+    options: ExportOptions,
 ) -> dict[str, Any]:
     """Write dense.safetensors, tables.safetensors and tiered/data.mdb; returns the model description.
-    ``order``: the sparse features in the order the model's interaction consumes them."""
+    ``meta``: the checkpoint's :func:`recsys.checkpoint.checkpoint_meta`; ``order``: the sparse features
+    in the order the model's interaction consumes them."""
+    world = int(meta["world_size"])
     first = _load_rank(checkpoint, 0)
     table_keys = {m["table"]: key for key in first["model"] if (m := _TABLE_KEY.search(key))}
     if sorted(table_name(f) for f in order) != sorted(table_keys):
@@ -342,7 +350,7 @@ def _write(
         raise UserError(f"checkpoint {checkpoint}: no dense_arch weights; is it a model of recsys.models?")
     num_dense = int(first_layer.shape[1])
     del first, dense
-    kept = kept_rows(checkpoint, sorted(table_keys))  # bounded tables' rows
+    kept = kept_rows(checkpoint, sorted(table_keys), meta["bounds"])  # bounded tables' rows
     state_names: dict[str, str | None] = dict.fromkeys(table_keys)
     for rank in range(world):  # table-wise, only the rank holding a table has its optimizer state
         payload = _load_rank(checkpoint, rank)

@@ -13,7 +13,6 @@ Their union and the default id are the rows the bundle holds (:mod:`recsys.servi
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,7 +20,6 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from embedding_store.config import MAX_ID
 from recsys.errors import UserError
 from recsys.serving.safetensors_stream import Chunks
 
@@ -30,21 +28,16 @@ __all__ = ["kept_rows", "restrict", "restricted_chunks"]
 Rows = Iterator[tuple[np.ndarray, np.ndarray]]
 
 
-def kept_rows(checkpoint: Path, tables: list[str]) -> dict[str, np.ndarray]:
+def kept_rows(checkpoint: Path, tables: list[str], defaults: dict[str, int] | None) -> dict[str, np.ndarray]:
     """Per bounded table, the ids of the rows the bundle keeps: the union over ranks of the ids that
     have a row, then the default row's id (last: it is past every other id), (n,) int64 ascending.
-    ``checkpoint``: one :func:`recsys.checkpoint.checkpoint_meta` accepted (its ``meta.json``'s
-    ``bounds`` is read here: that function returns a fixed set of keys).
+    ``checkpoint``: one :func:`recsys.checkpoint.checkpoint_meta` accepted; ``defaults``: its ``bounds``
+    (each bounded table's default row id, validated there).
 
     Raises:
         UserError: the checkpoint's bounds records are missing, unreadable or inconsistent.
     """
     files = sorted(checkpoint.glob("bounds_rank_*.safetensors"))
-    try:
-        meta = json.loads((checkpoint / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise UserError(f"checkpoint {checkpoint}: unreadable meta.json ({err})") from None
-    defaults = meta.get("bounds")
     if defaults is None:
         if files:
             raise UserError(
@@ -52,7 +45,7 @@ def kept_rows(checkpoint: Path, tables: list[str]) -> dict[str, np.ndarray]:
                 "rows (saved by an older tierrec); resume it for a step and export the new checkpoint"
             )
         return {}
-    if not isinstance(defaults, dict) or not files:
+    if not files:
         raise UserError(
             f"checkpoint {checkpoint}: meta.json's bounds {str(defaults)[:80]} without bounds_rank files"
         )
@@ -72,8 +65,6 @@ def kept_rows(checkpoint: Path, tables: list[str]) -> dict[str, np.ndarray]:
                 parts[table].append(state[f"{table}/row_ids"].astype(np.int64, copy=False))
     out = {}
     for table, d in defaults.items():
-        if not isinstance(d, int) or isinstance(d, bool) or not 0 < d <= MAX_ID:
-            raise UserError(f"checkpoint {checkpoint}: meta.json's default row id of {table} is {d!r}")
         ids = np.unique(np.concatenate(parts[table])) if parts[table] else np.empty(0, dtype=np.int64)
         if ids.shape[0] and (int(ids[0]) < 0 or int(ids[-1]) >= d):
             bad = int(ids[0]) if int(ids[0]) < 0 else int(ids[-1])

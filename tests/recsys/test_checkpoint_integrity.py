@@ -236,6 +236,16 @@ RANKS = {"rank_0.pt": b"a" * 10}
         ({"format": "2"}, "format '2' is not 2, the format this version reads"),
         ({"files": []}, "the manifest (files) must be an object, got list"),
         ({"fingerprint": [1]}, "fingerprint must be an object, got [1]"),
+        ({"bounds": [1]}, "bounds must map table names to default row ids in [1, 2**63), got [1]"),
+        ({"bounds": {"t": 0}}, "bounds must map table names to default row ids in [1, 2**63), got {'t': 0}"),
+        (
+            {"bounds": {"t": True}},
+            "bounds must map table names to default row ids in [1, 2**63), got {'t': True}",
+        ),
+        (
+            {"bounds": {"t": 2**63}},
+            f"bounds must map table names to default row ids in [1, 2**63), got {{'t': {2**63}}}",
+        ),
     ],
 )
 def test_bad_format_step_and_world_size_are_damage(meta, why, tmp_path):
