@@ -597,3 +597,37 @@ def test_compaction_reads_a_segment_whose_blocks_have_gaps_where_tombstones_are(
         assert found.all() and np.array_equal(rows, np.stack([want[i] for i in ids.tolist()]))
         assert not backend.get_rows("w", np.arange(200, 216))[0].any()
     backend.close()
+
+
+def test_compaction_does_not_misread_blocks_after_a_gap_inside_its_walk(tmp_path):
+    """A gap in a segment's block numbers inside the walked span, with more blocks after the span than
+    the gap is wide: the walk gets as many blocks as it asked for, but shifted past the gap. Compaction
+    must notice (the walk does not end on the span's last block) and read the span by key."""
+    from embedding_store.backends import open_backend
+
+    wide = TableSpec(name="w", dim=60, optimizer=OptimizerKind.EXACT_SGD)  # 8 rows a block
+    options = LmdbOptions(log_segment_rows=128, log_compact_at=0.95)  # compaction only when asked
+    want: dict[int, np.ndarray] = {}
+
+    def put(backend, ids, shift=0.0):
+        rows = np.repeat(ids[:, None].astype(np.float32), wide.row_floats, axis=1) + shift
+        backend.put_rows([("w", ids, rows)])
+        want.update(zip(ids.tolist(), rows, strict=True))
+
+    backend = open_backend(tmp_path / "s", options=options, seed=0, tables=[wide])
+    put(backend, np.arange(16))  # blocks 0, 1
+    put(backend, np.arange(200, 216))  # blocks 2, 3
+    backend.delete_rows("w", np.arange(200, 216))  # tombstones: sequence numbers of blocks 4, 5
+    for i in range(200, 216):
+        del want[i]
+    put(backend, np.arange(16, 96))  # blocks 6..15: the segment is full
+    put(backend, np.arange(24, 96), 0.5)  # segment 1; blocks 7..15 die: segment 0's live rows end in block 6
+    backend.log.compact("w", 0)  # walks blocks 0..6: seven blocks come back, 0-3 and 6-8
+    for reopen in (False, True):
+        if reopen:
+            backend.close()
+            backend = open_backend(tmp_path / "s", options=options, seed=0, tables=[wide])
+        ids = np.array(sorted(want), dtype=np.int64)
+        found, rows = backend.get_rows("w", ids)
+        assert found.all() and np.array_equal(rows, np.stack([want[i] for i in ids.tolist()]))
+    backend.close()
