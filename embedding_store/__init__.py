@@ -62,7 +62,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from embedding_store.config import LmdbOptions, OptimizerKind, PolicyKind, StoreConfig, TableSpec, Tier
+from embedding_store.config import (
+    LmdbOptions,
+    OptimizerKind,
+    PolicyKind,
+    StoreConfig,
+    TableSpec,
+    Tier,
+    WeightsPrecision,
+)
 from embedding_store.errors import (
     IdOutOfRangeError,
     StoreCapacityError,
@@ -140,6 +148,7 @@ __all__ = [
     "Tier",
     "TierStats",
     "TieredStore",
+    "WeightsPrecision",
     "init_rows",
     "merge_states",
     "num_embeddings_for",

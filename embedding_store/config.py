@@ -19,6 +19,7 @@ __all__ = [
     "StoreConfig",
     "TableSpec",
     "Tier",
+    "WeightsPrecision",
 ]
 
 MAX_ID = (1 << 63) - 1  # ids are int64 >= 0
@@ -38,6 +39,18 @@ class OptimizerKind(enum.Enum):
         if self is OptimizerKind.EXACT_ROWWISE_ADAGRAD:
             return 1
         return dim
+
+
+class WeightsPrecision(enum.Enum):
+    """How a table's weights are stored on every tier (optimizer state is float32 always)."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"  # IEEE half; rounded to nearest even, as FBGEMM's CPU kernels round their updates
+
+    @property
+    def dtype(self) -> str:
+        """The numpy / torch name of the stored weights' type (and the store's recorded ``dtype``)."""
+        return "float32" if self is WeightsPrecision.FP32 else "float16"
 
 
 # Announced batches LOOKAHEAD protects and the prefetcher reads ahead, by default (recsys's store.lookahead).
@@ -77,6 +90,8 @@ class TableSpec:
         init_scale: never-seen rows are ``init_rows(..., scale=init_scale)``: uniform in [-s, s).
         device_capacity_rows: slots of this table's device tier; None takes ``StoreConfig``'s value.
         host_capacity_rows: rows of this table's host arena; None takes ``StoreConfig``'s value.
+        weights_precision: how the weights are stored on every tier (``FP16``: two to a 4-byte word of
+            the packed row, the state after them in float32).
         expected_max_rows: the most rows the caller will keep stored (it deletes beyond them, as a
             bounded table's row cap does; the store does not enforce it), or None. The log layout then
             packs the table for space: a new store's segments are about a 32nd of it and its blocks
@@ -91,6 +106,7 @@ class TableSpec:
     init_scale: float = 0.01
     device_capacity_rows: int | None = None
     host_capacity_rows: int | None = None
+    weights_precision: WeightsPrecision = WeightsPrecision.FP32
     expected_max_rows: int | None = None
 
     def __post_init__(self) -> None:
@@ -107,6 +123,10 @@ class TableSpec:
             )
         if not math.isfinite(self.init_scale) or self.init_scale < 0:
             raise ValueError(f"TableSpec.init_scale must be finite and >= 0, got {self.init_scale!r}")
+        if not isinstance(self.weights_precision, WeightsPrecision):
+            raise ValueError(
+                f"TableSpec.weights_precision must be a WeightsPrecision, got {self.weights_precision!r}"
+            )
         if self.expected_max_rows is not None and (
             not isinstance(self.expected_max_rows, int)
             or isinstance(self.expected_max_rows, bool)
@@ -126,13 +146,19 @@ class TableSpec:
         return self.optimizer.state_floats(self.dim)
 
     @property
+    def weight_words(self) -> int:
+        """4-byte words of a packed row's weights: D float32, or D float16 two to a word (the last
+        half-word of an odd D is zero)."""
+        return self.dim if self.weights_precision is WeightsPrecision.FP32 else (self.dim + 1) // 2
+
+    @property
     def row_floats(self) -> int:
-        """Floats in one packed row: weights then optimizer state."""
-        return self.dim + self.state_floats
+        """4-byte words in one packed row (a float32 array's width): weights, then optimizer state."""
+        return self.weight_words + self.state_floats
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one packed float32 row."""
+        """Bytes of one packed row."""
         return 4 * self.row_floats
 
 

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from embedding_store.backends.base import RowBackend
-from embedding_store.config import StoreConfig, TableSpec, Tier
+from embedding_store.config import StoreConfig, TableSpec, Tier, WeightsPrecision
 from embedding_store.errors import IdOutOfRangeError, StoreCapacityError, StoreError
 from embedding_store.init import init_rows
+from embedding_store.rows import pack_weights
 from embedding_store.stats import TierStats
 from embedding_store.tiers import DeviceTier, FutureIds, HostTier
 from embedding_store.writer import WriteBehind
@@ -104,10 +105,10 @@ class TieredTable:
         """(N,) never-seen ids -> (N, R) initial rows: init weights, zero optimizer state."""
         spec = self.spec
         weights = init_rows(ids, dim=spec.dim, seed=self._config.seed, table=spec.name, scale=spec.init_scale)
-        if spec.state_floats == 0:
+        if spec.state_floats == 0 and spec.weights_precision is WeightsPrecision.FP32:
             return weights.numpy()
         rows = np.zeros((ids.shape[0], spec.row_floats), dtype=np.float32)
-        rows[:, : spec.dim] = weights.numpy()
+        pack_weights(spec, weights.numpy(), rows[:, : spec.weight_words])  # fp16: rounded once, here
         return rows
 
     def _read_below_host(

@@ -11,10 +11,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from embedding_store.config import PolicyKind, TableSpec
+from embedding_store.config import PolicyKind, TableSpec, WeightsPrecision
 from embedding_store.index import make_id_map
 from embedding_store.memory import empty_host, to_device, to_host
 from embedding_store.policies import make_policy
+from embedding_store.rows import pack_weights, weights_of
 
 __all__ = ["DeviceTier", "FutureIds", "HostTier"]
 
@@ -172,9 +173,10 @@ class DeviceTier(_Positions):
     def __init__(
         self, spec: TableSpec, weights: torch.Tensor, state: torch.Tensor | None, policy: PolicyKind
     ) -> None:
-        if weights.dim() != 2 or weights.shape[1] != spec.dim or weights.dtype != torch.float32:
+        dtype = getattr(torch, spec.weights_precision.dtype)
+        if weights.dim() != 2 or weights.shape[1] != spec.dim or weights.dtype != dtype:
             raise ValueError(
-                f"weights of table {spec.name!r} must be (S, {spec.dim}) float32, got "
+                f"weights of table {spec.name!r} must be (S, {spec.dim}) {spec.weights_precision.dtype}, got "
                 f"{tuple(weights.shape)} {weights.dtype}"
             )
         num_slots = weights.shape[0]
@@ -195,7 +197,9 @@ class DeviceTier(_Positions):
         super().__init__(spec, num_slots, policy)
         self.weights = weights  # (S, D)
         self.state = state_2d  # (S, Z) or None
-        self.dim = spec.dim
+        self.spec = spec
+        self.words = spec.weight_words  # the packed rows' weight words
+        self.fp32 = spec.weights_precision is WeightsPrecision.FP32
         # CPU slot tables are read and written through numpy views of the same storage (no autograd
         # version bump, as with ``.data``): a few rows cost ~1 us instead of torch's per-call ~5 us.
         self._host_views: tuple[np.ndarray, np.ndarray | None] | None = None
@@ -206,29 +210,43 @@ class DeviceTier(_Positions):
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """(N,) slots -> (N, R) packed rows (weights then optimizer state), copied to the host."""
-        if self._host_views is not None:
+        if self._host_views is None:
+            index = torch.from_numpy(slots).to(self.weights.device)
+            weights = self.weights.index_select(0, index)  # (N, D)
+            if self.fp32:
+                if self.state is not None:
+                    weights = torch.cat([weights, self.state.index_select(0, index)], dim=1)  # (N, R)
+                return to_host(weights).numpy()
+            weights_np = to_host(weights).numpy()
+            state_np = None if self.state is None else to_host(self.state.index_select(0, index)).numpy()
+            slots = np.arange(slots.shape[0])
+        else:
             weights_np, state_np = self._host_views
+        if self.fp32:
             rows = np.take(weights_np, slots, axis=0)
             return rows if state_np is None else np.concatenate([rows, np.take(state_np, slots, axis=0)], 1)
-        index = torch.from_numpy(slots).to(self.weights.device)
-        weights = self.weights.index_select(0, index)  # (N, D)
-        if self.state is not None:
-            weights = torch.cat([weights, self.state.index_select(0, index)], dim=1)  # (N, R)
-        return to_host(weights).numpy()
+        rows = np.empty((slots.shape[0], self.spec.row_floats), dtype=np.float32)
+        pack_weights(self.spec, np.take(weights_np, slots, axis=0), rows[:, : self.words])  # exact: fp16
+        if state_np is not None:
+            rows[:, self.words :] = np.take(state_np, slots, axis=0)
+        return rows
 
     def write(self, slots: np.ndarray, rows: np.ndarray) -> None:
         """Write (N, R) packed rows into (N,) slots, in place."""
         if self._host_views is not None:
             weights_np, state_np = self._host_views
-            weights_np[slots] = rows[:, : self.dim]
+            weights_np[slots] = weights_of(self.spec, rows)
             if state_np is not None:
-                state_np[slots] = rows[:, self.dim :]
+                state_np[slots] = rows[:, self.words :]
             return
         index = torch.from_numpy(slots).to(self.weights.device)
-        src = to_device(torch.from_numpy(rows), self.weights.device)  # (N, R)
-        self.weights.index_copy_(0, index, src[:, : self.dim])
+        src = to_device(torch.from_numpy(weights_of(self.spec, rows)), self.weights.device)  # (N, D)
+        self.weights.index_copy_(0, index, src)
         if self.state is not None:
-            self.state.index_copy_(0, index, src[:, self.dim :])
+            state = to_device(
+                torch.from_numpy(np.ascontiguousarray(rows[:, self.words :])), self.weights.device
+            )
+            self.state.index_copy_(0, index, state)
 
     def pinned_mask(self) -> np.ndarray:
         """(S,) True where an in-flight batch pinned the slot."""

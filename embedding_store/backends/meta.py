@@ -58,7 +58,7 @@ def table_meta(spec: TableSpec) -> dict[str, object]:
         "optimizer": spec.optimizer.value,
         "num_embeddings": spec.num_embeddings,
         "init_scale": spec.init_scale,
-        "dtype": "float32",
+        "dtype": spec.weights_precision.dtype,
     }
 
 

@@ -38,5 +38,7 @@ def packed_at(weights: torch.Tensor, state: torch.Tensor | None, slots: torch.Te
 
 
 def bits(a: np.ndarray) -> np.ndarray:
-    """float32 array -> its bit patterns, for bitwise comparisons."""
+    """float32 (or float16) array -> its bit patterns, for bitwise comparisons."""
+    if a.dtype == np.float16:
+        return np.ascontiguousarray(a).view(np.uint16)
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)

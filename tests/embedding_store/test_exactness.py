@@ -25,11 +25,12 @@ from embedding_store import (
     TableSpec,
     Tier,
     TieredStore,
+    WeightsPrecision,
     init_rows,
 )
 
 fbgemm = pytest.importorskip("fbgemm_gpu")
-from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType  # noqa: E402
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode  # noqa: E402
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: E402
     ComputeDevice,
@@ -49,13 +50,17 @@ OPTIMIZERS = {
 }
 
 
-def _tbe(rows: int, optimizer: OptimizerKind) -> SplitTableBatchedEmbeddingBagsCodegen:
+def _tbe(
+    rows: int, optimizer: OptimizerKind, precision: WeightsPrecision = WeightsPrecision.FP32
+) -> SplitTableBatchedEmbeddingBagsCodegen:
     return SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
         optimizer=OPTIMIZERS[optimizer],
         learning_rate=0.05,
         eps=1e-8,
         pooling_mode=PoolingMode.SUM,
+        weights_precision=SparseType.FP16 if precision is WeightsPrecision.FP16 else SparseType.FP32,
+        stochastic_rounding=False,  # no effect on CPU (FBGEMM's CPU kernels round to nearest even)
     )
 
 
@@ -85,9 +90,12 @@ def _loss(pooled: torch.Tensor, step: int) -> torch.Tensor:
     return ((pooled @ proj - target) ** 2).mean()
 
 
+@pytest.mark.parametrize("precision", list(WeightsPrecision), ids=lambda p: p.value)
 @pytest.mark.parametrize("policy", [PolicyKind.LOOKAHEAD, PolicyKind.LRU])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS), ids=lambda o: o.name)
-def test_tiered_training_is_bitwise_identical(tmp_path, optimizer: OptimizerKind, policy: PolicyKind) -> None:
+def test_tiered_training_is_bitwise_identical(
+    tmp_path, optimizer: OptimizerKind, policy: PolicyKind, precision: WeightsPrecision
+) -> None:
     pool, batches = _batches()
     touched = np.unique(torch.cat([v for v, _ in batches]).numpy())
     device_rows = int(0.05 * touched.shape[0])
@@ -95,7 +103,7 @@ def test_tiered_training_is_bitwise_identical(tmp_path, optimizer: OptimizerKind
     assert max(len(np.unique(v.numpy())) for v, _ in batches) <= device_rows
 
     # Untiered reference: every pool id at a fixed dense row.
-    ref = _tbe(pool.shape[0], optimizer)
+    ref = _tbe(pool.shape[0], optimizer, precision)  # fp16: the init rows rounded to nearest even
     ref.split_embedding_weights()[0].copy_(init_rows(pool, dim=DIM, seed=SEED, table="t", scale=0.1))
     ref_losses = []
     for step, (values, offsets) in enumerate(batches):
@@ -105,7 +113,7 @@ def test_tiered_training_is_bitwise_identical(tmp_path, optimizer: OptimizerKind
         ref_losses.append(loss.detach())
 
     # Tiered: the TBE holds only `device_rows` slots; raw ids go through make_resident.
-    spec = TableSpec(name="t", dim=DIM, optimizer=optimizer, init_scale=0.1)
+    spec = TableSpec(name="t", dim=DIM, optimizer=optimizer, init_scale=0.1, weights_precision=precision)
     config = StoreConfig(
         seed=SEED,
         device_capacity_rows=device_rows,
@@ -114,7 +122,7 @@ def test_tiered_training_is_bitwise_identical(tmp_path, optimizer: OptimizerKind
         lookahead_batches=2,
         lmdb=LmdbOptions(initial_map_size_bytes=1 << 20, writer_batch_rows=64),
     )
-    tiered = _tbe(device_rows, optimizer)
+    tiered = _tbe(device_rows, optimizer, precision)
     losses = []
     with TieredStore(tmp_path / "store", config=config, tables=[spec]) as store:
         store.bind("t", weights=tiered.split_embedding_weights()[0], state=_state(tiered))
