@@ -1,5 +1,5 @@
 """A table larger than RAM, trained: a DLRM whose tiered tables touch ``--target-ids`` distinct raw 64-bit
-ids of 260-byte rows (dim 64 + row-wise Adagrad) in one run, one rank, bounded host and device tiers.
+ids of 260-byte rows (dim 64 + row-wise Adagrad; 132 bytes with `--set sparse.weights_precision=fp16`) in one run, one rank, bounded host and device tiers.
 
 The run is a real :class:`~recsys.trainer.Trainer` fit on synthetic Criteo-layout data (``--tables``
 Zipf(1.05) features over the full 2^63 id space: raw hashed ids, a log-layout LMDB store, its mapped
@@ -46,18 +46,18 @@ from harness import emit, machine_info, quiet
 from ssd_tier.disk import DiskIo
 from tiered_training.runs import Windows
 
-from embedding_store import Tier
+from embedding_store import TableSpec, Tier, WeightsPrecision
 from embedding_store.backends import open_backend
+from embedding_store.rows import pack_weights
 from recsys.build import TrainSpec
 from recsys.config import config_from_dict
 from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
 from recsys.distributed import free_port, init_distributed
 from recsys.routing import values_by_feature
 from recsys.sharding import local_shards
-from recsys.tiered import RoutedBatch, TieredTables
+from recsys.tiered import RoutedBatch, TieredTables, row_bytes
 from recsys.trainer import Trainer
 
-ROW_BYTES = 260
 GIB = 2**30
 
 
@@ -153,7 +153,12 @@ def recording_tables(
                 shard = self.slot_tables[name]
                 weights = shard.weight.data[slots]
                 state = shard.state.data.reshape(shard.weight.shape[0], -1)[slots]
-                rows = torch.cat([weights, state], dim=1).numpy()
+                half = weights.dtype == torch.float16
+                precision = WeightsPrecision.FP16 if half else WeightsPrecision.FP32
+                spec = TableSpec(name=name, dim=weights.shape[1], weights_precision=precision)
+                rows = np.empty((weights.shape[0], spec.row_floats), dtype=np.float32)  # as the store packs
+                pack_weights(spec, weights.numpy(), rows[:, : spec.weight_words])
+                rows[:, spec.weight_words :] = state.numpy()
                 oracle.setdefault(name, {}).update(zip(ids.tolist(), rows.copy(), strict=True))
             super().release(batch_id)
 
@@ -194,15 +199,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eval.batch_size=256",
         *stream_overrides(args),
         f"store.path={args.dir / 'store'}",
+        *args.set,
     ]
     cfg = config_from_dict({}, overrides)
+    row = row_bytes(cfg.sparse, cfg.model.embedding_dim)  # 260 bytes (fp32), 132 (fp16)
     data = SyntheticCriteo(
         SyntheticConfig(num_sparse=args.tables, id_space=2**63, zipf_alpha=1.05, num_dense=13),
         seed=cfg.train.seed,
     )
     sample = sampled_ids(data, features, steps=args.steps, batch=args.batch, count=args.check)
     oracle: dict[str, dict[int, np.ndarray]] = {}
-    budget = args.tables * (args.host_rows + args.device_rows) * ROW_BYTES
+    budget = args.tables * (args.host_rows + args.device_rows) * row
     trainer = Trainer(
         cfg, ENV, out_dir=args.dir / "run", spec=TrainSpec(tables=recording_tables(sample, oracle))
     )
@@ -249,13 +256,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = [r["step"] for r in windows.rows]
     rates = [r["samples_per_s"] for r in windows.rows]
     tenth = max(1, len(rates) // 10)
-    payload = max(1, written) * ROW_BYTES
+    payload = max(1, written) * row
     return {
         "rows_in_lmdb": rows_in_lmdb,
         "target_ids": args.target_ids,
         "reached_target": rows_in_lmdb >= args.target_ids,
         "lmdb_gib": (store_dir / "data.mdb").stat().st_size / GIB,
-        "rows_gib": rows_in_lmdb * ROW_BYTES / GIB,
+        "row_bytes": row,
+        "rows_gib": rows_in_lmdb * row / GIB,
         "machine_ram_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
         "wall_s": wall,
         "steps": summary["steps"],
@@ -298,6 +306,9 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=1000, help="sampled rows compared with the replay")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_scale"))
     parser.add_argument("--keep", action="store_true", help="keep the store")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)"
+    )
     parser.add_argument("--smoke", action="store_true", help="seconds: 2 tables, 6 steps of 512, tiny tiers")
     args = parser.parse_args()
     if args.smoke:

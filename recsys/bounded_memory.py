@@ -112,6 +112,6 @@ class InMemoryBounds:
                 continue
             rows = mine - shard.row_offset
             full = init_rows(mine, dim=shard.col_offset + d, seed=self.seed, table=name, scale=self.scale)
-            shard.weight[rows] = full[:, shard.col_offset :].to(shard.weight.device)
+            shard.weight[rows] = full[:, shard.col_offset :].to(shard.weight.device, shard.weight.dtype)
             if shard.state is not None:
                 shard.state[rows] = 0

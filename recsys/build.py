@@ -18,6 +18,7 @@ from torchrec import EmbeddingBagConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from tqdm import tqdm
 
+from embedding_store import WeightsPrecision
 from pipelines import StagedPipeline
 from recsys.bounded import default_id
 from recsys.bounded_memory import InMemoryBounds
@@ -186,7 +187,8 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     ]
     if env.is_main:
         _warn_folded(cfg, features, data.id_spaces, fold)
-    tables = table_configs(features, dim=cfg.model.table_dim, num_embeddings=num_embeddings)
+    fp16 = cfg.sparse.weights_precision is WeightsPrecision.FP16
+    tables = table_configs(features, dim=cfg.model.table_dim, num_embeddings=num_embeddings, fp16=fp16)
     torch.manual_seed(cfg.train.seed)
     windows = cfg.pipeline.frozen_windows
     if windows > cfg.train.batch_size // env.world_size:

@@ -31,7 +31,8 @@ def touched_rows(rows: Rows, *, table: str, seed: int, scale: float) -> Rows:
     """The non-pristine rows of a block: those that differ from their initial value or have state."""
     ids, weight, state = rows
     weight = weight.cpu()
-    initial = init_rows(ids, dim=weight.shape[1], seed=seed, table=table, scale=scale)
+    # fp16 tables start from the initial rows rounded to nearest even (as the store and FBGEMM round)
+    initial = init_rows(ids, dim=weight.shape[1], seed=seed, table=table, scale=scale).to(weight.dtype)
     changed = (weight != initial).any(dim=1)
     if state is not None:
         state = state.cpu()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torchrec.models.dlrm import DLRM, DLRM_DCN
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -49,9 +49,10 @@ class LogisticRegression(nn.Module):
 
 
 def table_configs(
-    feature_names: list[str], *, dim: int, num_embeddings: list[int]
+    feature_names: list[str], *, dim: int, num_embeddings: list[int], fp16: bool = False
 ) -> list[EmbeddingBagConfig]:
-    """One sum-pooled table per sparse feature, named ``t_<feature>``."""
+    """One sum-pooled table per sparse feature, named ``t_<feature>`` (``fp16``: half-precision weights,
+    FBGEMM's ``weights_precision``)."""
     return [
         EmbeddingBagConfig(
             name=table_name(feature),
@@ -59,6 +60,7 @@ def table_configs(
             num_embeddings=rows,
             feature_names=[feature],
             pooling=PoolingType.SUM,
+            data_type=DataType.FP16 if fp16 else DataType.FP32,
         )
         for feature, rows in zip(feature_names, num_embeddings, strict=True)
     ]

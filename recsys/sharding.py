@@ -71,7 +71,14 @@ def shard_model(
     """Shard ``model``'s tables over the process group with the fused optimizer of ``sparse``."""
     pg = pg or dist.group.WORLD
     world_size = dist.get_world_size(pg)
-    fused_params = {"optimizer": _FUSED_OPT[sparse.optimizer], "learning_rate": sparse.learning_rate}
+    # fp16 weights round their updates to nearest even: FBGEMM's CUDA kernels would otherwise round them
+    # stochastically, from a random stream a tiered run (rows at other slots) would not reproduce; its CPU
+    # kernels round to nearest even whatever this says.
+    fused_params: dict[str, object] = {
+        "optimizer": _FUSED_OPT[sparse.optimizer],
+        "learning_rate": sparse.learning_rate,
+        "stochastic_rounding": False,
+    }
     if sparse.optimizer is not OptimizerKind.EXACT_SGD:
         fused_params["eps"] = sparse.eps
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from embedding_store import OptimizerKind
+from embedding_store import OptimizerKind, WeightsPrecision
 
 __all__ = ["ShardingKind", "SparseConfig"]
 
@@ -28,6 +28,9 @@ class SparseConfig:
         sharding: ``table_wise`` or ``row_wise`` placement across ranks.
         init_scale: rows start uniform in [-init_scale, init_scale), a function of (seed, table, id).
         max_rows_per_table: rows of an in-memory table; ids of a larger id space are taken modulo this.
+        weights_precision: ``fp32`` or ``fp16``: how the embedding weights are stored and trained, in
+            FBGEMM's tables and on every tier (optimizer state stays float32). FBGEMM's CPU kernels round
+            fp16 updates to nearest even; bf16 is not offered (they do not train bf16 weights).
     """
 
     optimizer: OptimizerKind = OptimizerKind.EXACT_ROWWISE_ADAGRAD
@@ -36,6 +39,7 @@ class SparseConfig:
     sharding: ShardingKind = ShardingKind.TABLE_WISE
     init_scale: float = 0.01
     max_rows_per_table: int = 1_000_000
+    weights_precision: WeightsPrecision = WeightsPrecision.FP32
 
     def __post_init__(self) -> None:
         if not self.learning_rate > 0:

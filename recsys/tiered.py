@@ -38,6 +38,7 @@ from embedding_store import (
     StoreConfig,
     TableSpec,
     TieredStore,
+    WeightsPrecision,
     num_embeddings_for,
 )
 from embedding_store.bounds_rule import BoundsRule
@@ -65,11 +66,16 @@ from recsys.tier_shard import Rows, TierShard, claim_shard
 __all__ = ["TierPlan", "TieredTables", "RoutedBatch", "row_bytes", "tiered_feed"]
 
 TRAIN, EVAL = "train", "eval"
+FP16, FP32 = WeightsPrecision.FP16, WeightsPrecision.FP32
 
 
 def row_bytes(sparse: SparseConfig, dim: int) -> int:
-    """Bytes of one row of a tiered table: ``dim`` float32 weights plus the optimizer's per-row state."""
-    return 4 * (dim + sparse.optimizer.state_floats(dim))
+    """Bytes of one row of a tiered table: ``dim`` weights of ``sparse.weights_precision`` plus the
+    optimizer's per-row float32 state (``TableSpec.row_bytes``)."""
+    spec = TableSpec(
+        name="t", dim=dim, optimizer=sparse.optimizer, weights_precision=sparse.weights_precision
+    )
+    return spec.row_bytes
 
 
 def _lmdb_options(max_bytes: int, unmap_every_rows: int) -> LmdbOptions:
@@ -225,6 +231,7 @@ class TieredTables:
                 device_capacity_rows=shards[name].weight.shape[0],
                 host_capacity_rows=plan.capacities.host_rows[self.feature[name]],
                 expected_max_rows=(plan.bounds[name].max_rows or None) if name in plan.bounds else None,
+                weights_precision=FP16 if shards[name].weight.dtype == torch.float16 else FP32,
             )
             for name in sorted(shards)
         ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embedding_store.config import MAX_ID
+from embedding_store.config import MAX_ID, WeightsPrecision
 from recsys.errors import UserError
 from recsys.table_names import table_name
 
@@ -43,11 +43,15 @@ __all__ = [
 ]
 
 FORMAT = "tierrec-serving-bundle"
-# Version 2: the layout above, and model.json records the order in which the model's interaction
-# consumes the sparse features (``interaction_order``). Version 1 bundles listed the features in the
+# Version 3: the layout above; model.json records the order in which the model's interaction consumes
+# the sparse features (``interaction_order``, since version 2) and the weights' precision
+# (``weights_precision``: fp32, or fp16 weights two to a 4-byte word of a stored row and as F16 plain
+# tables). Version 2 bundles are read as fp32 (a tierrec that reads version 2 only would misread fp16
+# rows, so every bundle is written as version 3). Version 1 bundles listed the features in the
 # checkpoint's sorted key order, which is not the model's: a reader refuses any other version rather
 # than guess at its meaning.
-VERSION = 2
+VERSION = 3
+READABLE_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 MODEL, DENSE, TABLES, TIERED = "model.json", "dense.safetensors", "tables.safetensors", "tiered/data.mdb"
 FILES = (MODEL, DENSE, TABLES, TIERED)
@@ -124,8 +128,13 @@ class Bundle:
 
     @property
     def row_floats(self) -> int:
-        """Floats per stored tiered row: the weights, then the optimizer state when it was kept."""
+        """4-byte words per stored tiered row: the weights, then the optimizer state when it was kept."""
         return int(self.model["row_floats"])
+
+    @property
+    def weights_precision(self) -> WeightsPrecision:
+        """How the tables hold their weights (read_bundle checked the value; version 2 bundles: fp32)."""
+        return WeightsPrecision(self.model.get("weights_precision", WeightsPrecision.FP32.value))
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -180,10 +189,12 @@ def _check_manifest(path: Path, verify: bool) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         what = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise _fail(path, f"{MANIFEST} is not a serving bundle's (format {str(what)[:40]!r}, not {FORMAT!r})")
-    if manifest.get("version") != VERSION:
+    version = manifest.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
         raise _fail(
             path,
-            f"format version {manifest.get('version')!r}, but this tierrec reads version {VERSION}; "
+            f"format version {version!r}, but this tierrec reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; "
             "export the checkpoint again with `recsys export`",
         )
     files = manifest.get("files")
@@ -299,5 +310,30 @@ def read_bundle(path: str | os.PathLike[str], *, verify: bool = True) -> Bundle:
     name = model["model"].get("name") if isinstance(model["model"], dict) else None
     if name not in _MODELS:
         raise _fail(path, f"{MODEL}: unknown model {name!r}; known: {', '.join(_MODELS)}")
+    precision = model.get("weights_precision", WeightsPrecision.FP32.value)
+    if precision not in {p.value for p in WeightsPrecision} or (
+        manifest["version"] < 3 and precision != WeightsPrecision.FP32.value
+    ):
+        raise _fail(path, f"{MODEL}: weights_precision {str(precision)[:40]!r} is not one this tierrec reads")
     features = _features(path, model, TIERED in manifest["files"])
+    _check_row_words(path, model, features, WeightsPrecision(precision))
     return Bundle(path, model, features)
+
+
+def _check_row_words(
+    path: Path, model: dict[str, Any], features: tuple[FeatureSpec, ...], precision: WeightsPrecision
+) -> None:
+    """Tiered rows hold the weights in ``precision`` (fp16: two a 4-byte word), then the optimizer state
+    when it was kept: ``row_floats`` words. A row size that does not fit is refused, never misread."""
+    optimizer = model.get("optimizer")
+    state = optimizer.get("state_floats", 0) if isinstance(optimizer, dict) and optimizer.get("kept") else 0
+    for f in features:
+        if f.kind != "tiered":
+            continue
+        words = f.dim if precision is WeightsPrecision.FP32 else (f.dim + 1) // 2
+        if model["row_floats"] != words + state:
+            raise _fail(
+                path,
+                f"{MODEL}: row_floats {model['row_floats']!r} do not fit {f.dim} {precision.value} weights"
+                f"{f' and {state} floats of optimizer state' if state else ''} (altered?)",
+            )

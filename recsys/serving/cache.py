@@ -21,6 +21,7 @@ import lmdb
 import numpy as np
 import torch
 
+from embedding_store.config import WeightsPrecision
 from embedding_store.index import DenseIdMap, HashIdMap
 from recsys.serving.bundle import BundleError, FeatureSpec
 
@@ -43,10 +44,19 @@ class LmdbRows:
     Args:
         path: the bundle's ``tiered`` folder.
         tables: the tables' names (the LMDB named databases).
-        row_floats: float32 values per stored row; ``dim`` leading ones are the weights.
+        row_floats: 4-byte words per stored row; the leading ones hold the weights (fp32: ``dim`` words;
+            fp16: two weights a word), then the optimizer state when the bundle kept it.
+        weights_precision: the weights' precision; :meth:`read` returns them as float32 either way.
     """
 
-    def __init__(self, path: Path, *, tables: list[str], row_floats: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        tables: list[str],
+        row_floats: int,
+        weights_precision: WeightsPrecision = WeightsPrecision.FP32,
+    ) -> None:
         self._where = f"bundle {path.parent}: {path.name}/data.mdb"
         # lock=False: nothing ever writes this environment, so readers need no lock table (and no
         # lock.mdb appears in the bundle). readahead=False: lookups are random.
@@ -69,6 +79,7 @@ class LmdbRows:
                 raise BundleError(f"{self._where} is damaged: {err}") from None
             raise
         self.row_floats = row_floats
+        self.weights_precision = weights_precision
 
     def check(self, table: str, rows: int) -> None:
         """Refuse, before any lookup, a table that does not hold ``rows`` rows of ``row_floats`` floats
@@ -111,7 +122,13 @@ class LmdbRows:
                 f"{self.row_floats} floats"
             )
         rows = np.frombuffer(values, dtype=np.float32).reshape(len(pairs), self.row_floats)
-        return found, np.ascontiguousarray(rows[:, :dim])
+        return found, self.weights(rows, dim).astype(np.float32)
+
+    def weights(self, rows: np.ndarray, dim: int) -> np.ndarray:
+        """The (n, dim) weights of (n, row_floats) stored rows, in the bundle's precision (a view)."""
+        if self.weights_precision is WeightsPrecision.FP16:
+            return rows.view(np.float16)[:, :dim]
+        return rows[:, :dim]
 
     def scan(self, table: str, *, chunk_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every stored row of ``table`` in ascending id order: ``((n,) ids, (n, row_floats) rows)`` chunks."""
@@ -141,13 +158,19 @@ _READERS: weakref.WeakValueDictionary[tuple[int, int], LmdbRows] = weakref.WeakV
 _READERS_LOCK = threading.Lock()
 
 
-def open_rows(path: Path, *, tables: list[str], row_floats: int) -> LmdbRows:
+def open_rows(
+    path: Path,
+    *,
+    tables: list[str],
+    row_floats: int,
+    weights_precision: WeightsPrecision = WeightsPrecision.FP32,
+) -> LmdbRows:
     """This process's reader of the LMDB in folder ``path`` (shared by everyone who opens that file)."""
     st = os.stat(path / "data.mdb")
     with _READERS_LOCK:
         rows = _READERS.get((st.st_dev, st.st_ino))
         if rows is None:
-            rows = LmdbRows(path, tables=tables, row_floats=row_floats)
+            rows = LmdbRows(path, tables=tables, row_floats=row_floats, weights_precision=weights_precision)
             _READERS[(st.st_dev, st.st_ino)] = rows
         return rows
 

@@ -35,14 +35,14 @@ import lmdb
 import numpy as np
 import torch
 
-from embedding_store import OptimizerKind, StoreError, TableSpec, scan_snapshot
+from embedding_store import OptimizerKind, StoreError, TableSpec
 from embedding_store.backends import open_snapshot
-from embedding_store.init import init_rows
 from recsys.checkpoint import checkpoint_meta
 from recsys.config import config_to_dict
 from recsys.errors import UserError
 from recsys.serving.bundle import DENSE, FORMAT, MANIFEST, MODEL, TABLES, TIERED, VERSION, describe_files
-from recsys.serving.export_bounds import kept_rows, restrict, restricted_chunks
+from recsys.serving.export_bounds import kept_rows, restricted_chunks
+from recsys.serving.export_tiered import copy_tiered
 from recsys.serving.output import remove_stale, temporary, write_failure
 from recsys.serving.runs import find_checkpoint, run_config
 from recsys.serving.safetensors_stream import SAFETENSORS_DTYPES, Chunks, tensor_chunks, write_safetensors
@@ -51,9 +51,6 @@ from recsys.table_names import feature_of, table_name
 __all__ = ["ExportOptions", "export_bundle"]
 
 _TABLE_KEY = re.compile(r"(?:^|\.)embedding_bags\.(?P<table>[^.]+)\.weight$")
-# The recorded description of a table that the ranks' snapshots must agree on (the rest, such as the
-# log layout's geometry, is how one snapshot stores it).
-_TABLE_IDENTITY = ("dim", "optimizer", "num_embeddings", "init_scale", "dtype", "row_bytes")
 # LMDB page and key overhead over the packed rows, for the first map size (it doubles when full).
 _MAP_SLACK = 1.5
 
@@ -146,39 +143,6 @@ def _state_name(payload: dict[str, Any], key: str, table: str) -> str | None:
 
 
 # -- tiered tables: merge the ranks' snapshots into one LMDB ------------------------------------------
-
-
-def _merged(
-    streams: list[Iterator[tuple[np.ndarray, np.ndarray]]], table: str
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Merge ascending ``(ids, rows)`` chunk streams with disjoint ids into ascending chunks.
-
-    Each round emits every id up to the smallest last id of the streams' current chunks: all ids up to
-    it are in those chunks, as every stream ascends.
-    """
-    heads: list[tuple[np.ndarray, np.ndarray] | None] = [next(s, None) for s in streams]
-    while True:
-        live = [i for i, h in enumerate(heads) if h is not None]
-        if not live:
-            return
-        bound = min(int(heads[i][0][-1]) for i in live)  # type: ignore[index]
-        ids_parts, rows_parts = [], []
-        for i in live:
-            ids, rows = heads[i]  # type: ignore[misc]
-            cut = int(np.searchsorted(ids, bound, side="right"))
-            ids_parts.append(ids[:cut])
-            rows_parts.append(rows[:cut])
-            heads[i] = (ids[cut:], rows[cut:]) if cut < ids.shape[0] else next(streams[i], None)
-        ids = np.concatenate(ids_parts)
-        rows = np.concatenate(rows_parts)
-        if len(ids_parts) > 1:
-            order = np.argsort(ids, kind="stable")
-            ids, rows = ids[order], rows[order]
-        if ids.shape[0] > 1 and not (np.diff(ids) > 0).all():
-            raise UserError(
-                f"export: table {table} has an id in two ranks' store snapshots; the checkpoint is inconsistent"
-            )
-        yield ids, rows
 
 
 class _TieredWriter:
@@ -369,6 +333,8 @@ def _write(
         for name, layout in tables.items():
             layouts.setdefault(name, []).append((snap, layout))
 
+    precision = config.sparse.weights_precision
+    weight_type = SAFETENSORS_DTYPES[getattr(torch, precision.dtype)]  # plain tables keep their precision
     features, plain_entries = [], []
     for table, key in table_keys.items():
         if table in layouts:
@@ -390,7 +356,7 @@ def _write(
             chunks = restricted_chunks(chunks, keep, table)
             shape = (keep.shape[0], shape[1])
             feature.update(rows=shape[0], default_id=int(keep[-1]))
-        plain_entries.append((f"{table}.weight", shape, "F32", chunks))
+        plain_entries.append((f"{table}.weight", shape, weight_type, chunks))
         if keep is not None:
             plain_entries.append((f"{table}.ids", keep.shape, "I64", lambda k=keep: iter([k])))
         features.append(feature)
@@ -411,7 +377,7 @@ def _write(
         writer = _TieredWriter(out / Path(TIERED).parent, tables=len(tiered), map_bytes=map_bytes)
         try:
             for table in tiered:
-                rows, floats, spec_layout = _copy_tiered(
+                rows, floats, spec_layout = copy_tiered(
                     writer, table, layouts[table], (config, kept.get(table)), options
                 )
                 row_floats = floats if row_floats is None else row_floats
@@ -429,6 +395,7 @@ def _write(
     features.sort(key=lambda f: position[f["table"]])
     optimizer = OptimizerKind(config.sparse.optimizer.value)
     dim = features[0]["dim"]
+    spec = TableSpec(name="t", dim=dim, optimizer=optimizer, weights_precision=precision)
     kept = optimizer.state_floats(dim) if options.keep_optimizer_state else 0
     model = {
         "model": _arch(config),
@@ -436,7 +403,8 @@ def _write(
         "interaction_order": list(order),
         "features": features,
         "init": {"seed": config.train.seed, "scale": config.sparse.init_scale},
-        "row_floats": row_floats if row_floats is not None else dim + kept,
+        "row_floats": row_floats if row_floats is not None else spec.weight_words + kept,
+        "weights_precision": precision.value,
         "optimizer": {
             "name": optimizer.value,
             "state_floats": optimizer.state_floats(dim),
@@ -444,55 +412,3 @@ def _write(
         },
     }
     return {"model": model, "tables": {f["table"]: {"kind": f["kind"], "rows": f["rows"]} for f in features}}
-
-
-def _copy_tiered(
-    writer: _TieredWriter,
-    table: str,
-    sources: list[tuple[Path, dict[str, Any]]],
-    run: tuple[Any, np.ndarray | None],
-    options: ExportOptions,
-) -> tuple[int, int, dict[str, Any]]:
-    """Stream one tiered table from its snapshots into the bundle; returns (rows, floats per row, layout).
-    ``run``: the config and, for a bounded table, the ids of the rows kept (the default row's last)."""
-    config, kept = run
-    layout = sources[0][1]
-    if any(
-        {k: other.get(k) for k in _TABLE_IDENTITY} != {k: layout.get(k) for k in _TABLE_IDENTITY}
-        for _, other in sources
-    ):
-        raise UserError(f"export: the store snapshots disagree on the layout of table {table}")
-    spec = TableSpec(
-        name=table,
-        dim=int(layout["dim"]),
-        optimizer=OptimizerKind(layout["optimizer"]),
-        num_embeddings=layout["num_embeddings"],
-        init_scale=float(layout["init_scale"]),
-    )
-    keep = spec.row_floats if options.keep_optimizer_state else spec.dim
-    chunk = max(1, options.buffer_rows // len(sources))
-    try:
-        streams = [scan_snapshot(snap, spec, seed=config.train.seed, chunk_rows=chunk) for snap, _ in sources]
-        merged = _merged(streams, table)
-        if kept is not None:
-            if spec.num_embeddings is not None and int(kept[-1]) >= spec.num_embeddings:
-                raise UserError(
-                    f"export: table {table}'s default row id {int(kept[-1])} is outside its {spec.num_embeddings} ids"
-                )
-            merged = restrict(merged, kept, lambda ids: _initial(spec, ids, config.train.seed), chunk)
-        rows = 0
-        for ids, values in merged:
-            writer.append(table, ids, values[:, :keep])
-            rows += ids.shape[0]
-    except StoreError as err:
-        raise UserError(f"export: table {table}: {err}") from None
-    return rows, keep, layout
-
-
-def _initial(spec: TableSpec, ids: np.ndarray, seed: int) -> np.ndarray:
-    """The stored rows of ids a store holds no row of: their initial weights and zero optimizer state."""
-    rows = np.zeros((ids.shape[0], spec.row_floats), dtype=np.float32)
-    rows[:, : spec.dim] = init_rows(
-        ids, dim=spec.dim, seed=seed, table=spec.name, scale=spec.init_scale
-    ).numpy()
-    return rows

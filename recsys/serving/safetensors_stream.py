@@ -16,7 +16,14 @@ import torch
 
 __all__ = ["Chunks", "SAFETENSORS_DTYPES", "write_safetensors", "tensor_chunks"]
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+}
+_BYTES = {"F32": 4, "F16": 2, "F64": 8, "I64": 8, "I32": 4}
 
 Chunks = Callable[[], Iterator[np.ndarray]]
 
@@ -32,7 +39,7 @@ def write_safetensors(
     header: dict[str, Any] = {}
     offset = 0
     for name, shape, dtype, _ in entries:
-        size = math.prod(shape) * (8 if dtype in ("F64", "I64") else 4)
+        size = math.prod(shape) * _BYTES[dtype]
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     header["__metadata__"] = meta

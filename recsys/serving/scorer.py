@@ -133,6 +133,8 @@ class Scorer:
             raise BundleError(f"bundle {bundle.path}: {err}") from None
         self._model = model.to(device)
         tables = _load_tensors(bundle, TABLES)
+        # fp16 tables stay fp16 in memory; the rows a lookup gathers are upcast, as FBGEMM sums them in float32
+        self._weight_dtype = getattr(torch, bundle.weights_precision.dtype)
         self._plain: dict[str, torch.Tensor] = {}
         self._bounded: dict[str, BoundedPlain] = {}
         for f in bundle.features:
@@ -143,9 +145,10 @@ class Scorer:
                     raise BundleError(
                         f"bundle {bundle.path}: table {f.table} is {shape} in {TABLES}, model.json says {(f.rows, f.dim)}"
                     )
-                if weight.dtype != torch.float32:
+                if weight.dtype != self._weight_dtype:
                     raise BundleError(
-                        f"bundle {bundle.path}: table {f.table} is {weight.dtype} in {TABLES}, not float32"
+                        f"bundle {bundle.path}: table {f.table} is {weight.dtype} in {TABLES}, "
+                        f"not {self._weight_dtype} (the bundle's weights_precision)"
                     )
                 self._plain[f.name] = weight.to(device)
                 if f.default_id is not None:
@@ -160,7 +163,10 @@ class Scorer:
         self._caches: dict[str, RowCache] = {}
         if tiered:
             self._rows = open_rows(
-                bundle.file(TIERED).parent, tables=[f.table for f in tiered], row_floats=bundle.row_floats
+                bundle.file(TIERED).parent,
+                tables=[f.table for f in tiered],
+                row_floats=bundle.row_floats,
+                weights_precision=bundle.weights_precision,
             )
             for f in tiered:  # a damaged or foreign LMDB is refused here, not at the first lookup
                 self._rows.check(f.table, f.rows)
@@ -179,9 +185,13 @@ class Scorer:
             return lambda ids: np.repeat(row, ids.shape[0], axis=0)
         if self._unseen == "zeros":
             return lambda ids: np.zeros((ids.shape[0], f.dim), dtype=np.float32)
-        return lambda ids: init_rows(
-            ids, dim=f.dim, seed=self._seed, table=f.table, scale=self._scale
-        ).numpy()
+        dtype = self._weight_dtype  # initial rows are rounded once to the tables' precision, as in training
+        return lambda ids: (
+            init_rows(ids, dim=f.dim, seed=self._seed, table=f.table, scale=self._scale)
+            .to(dtype)
+            .float()
+            .numpy()
+        )
 
     # -- scoring ----------------------------------------------------------------------------------
 
@@ -194,6 +204,8 @@ class Scorer:
             else:
                 index = torch.from_numpy(ids % f.rows if f.rows else ids).to(self.device)
             weight = self._plain[f.name]
+            if weight.dtype != torch.float32:  # the gathered rows, upcast; then summed as float32 rows are
+                weight, index = torch.nn.functional.embedding(index, weight).float(), None
         else:
             if f.id_space is not None and ids.size and ids.max() >= f.id_space:
                 raise ValueError(

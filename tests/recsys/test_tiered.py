@@ -32,6 +32,7 @@ BASE = [
 def _train(rank: int, world_size: int, overrides: list[str]) -> dict:
     from recsys.distributed import init_distributed
     from recsys.metrics import MetricsLog
+    from recsys.sharding import local_shards
     from recsys.trainer import Trainer
 
     env = init_distributed(threads_per_rank=1)
@@ -47,8 +48,18 @@ def _train(rank: int, world_size: int, overrides: list[str]) -> dict:
             digest = trainer.digest()
             tiers = {} if trainer.tier_metrics is None else trainer.tier_metrics.store_stats()
             touched = _touched(trainer)
+            dtypes = {str(s.weight.dtype) for s in local_shards(trainer.dmp, trainer.tables)}
             trainer.close()
-        out.append({"digest": digest, "auc": summary["auc"], "tiers": tiers, "touched": touched})
+        (dtype,) = dtypes
+        out.append(
+            {
+                "digest": digest,
+                "auc": summary["auc"],
+                "tiers": tiers,
+                "touched": touched,
+                "weight_dtype": dtype,
+            }
+        )
     return {"untiered": out[0], "tiered": out[1]}
 
 
@@ -98,3 +109,28 @@ def test_tiered_digest_equals_untiered(world_size, sharding, optimizer):
         assert table["device"]["evictions"] > 0
         assert table["ssd"]["rows_out"] > 0 or table["host"]["evictions"] > 0  # written back towards LMDB
         assert table["ssd"]["misses"] > 0 and table["host"]["hits"] > 0
+
+
+# Half-precision weights (sparse.weights_precision = fp16): FBGEMM's fp16 tables, 132-byte rows in the store.
+FP16_CASES = [
+    (1, "table_wise", "exact_rowwise_adagrad"),
+    (2, "row_wise", "exact_sgd"),
+    pytest.param(2, "table_wise", "exact_adagrad", marks=pytest.mark.slow),
+    pytest.param(1, "row_wise", "exact_rowwise_adagrad", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("world_size", "sharding", "optimizer"), FP16_CASES)
+def test_fp16_tiered_digest_equals_untiered(world_size, sharding, optimizer):
+    device_rows, host_rows = (80, 240) if sharding == "row_wise" and world_size > 1 else (120, 360)
+    overrides = [f"sparse.sharding={sharding}", f"sparse.optimizer={optimizer}"]
+    tiers = [f"store.device_rows={device_rows}", f"store.host_rows={host_rows}"]
+    half = run_ranks(
+        world_size=world_size, fn=_train, arg=[*overrides, *tiers, "sparse.weights_precision=fp16"]
+    )
+    for r in half:
+        assert r["tiered"]["digest"] == r["untiered"]["digest"]
+        assert r["tiered"]["auc"] == r["untiered"]["auc"] or math.isnan(r["tiered"]["auc"])
+        assert r["tiered"]["weight_dtype"] == r["untiered"]["weight_dtype"] == "torch.float16"
+    for table in half[0]["tiered"]["tiers"].values():
+        assert table["device"]["evictions"] > 0 and table["ssd"]["misses"] > 0

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from embedding_store import TableSpec, WeightsPrecision
 from recsys.serving.cache import open_rows
 from tests.conftest import ROOT, subprocess_env
 from tests.recsys.tiny import run_train, tiny_config
@@ -45,6 +46,8 @@ RUNS: dict[str, dict[str, Any]] = {
     },
     # 2 ranks, table-wise, bags of 1 to 3 ids per feature (slow tests only).
     "multi_hot_2": {"train": {"nproc": 2}, "synthetic": {"multi_hot": 3}},
+    # 2 ranks, table-wise, half-precision weights (132-byte rows in the store, fp16 in FBGEMM and the bundle).
+    "fp16_2": {"train": {"nproc": 2}, "sparse": {"weights_precision": "fp16"}},
     # 1 rank, logistic regression (4-wide rows; slow tests only).
     "logistic_1": {"train": {"nproc": 1}, "model": {"name": "logistic"}, "synthetic": {"num_sparse": 12}},
 }
@@ -55,6 +58,7 @@ EVERY_RUN = [
     "table_wise_2",
     "row_wise_2",
     "dcn_1",
+    "fp16_2",
     pytest.param("multi_hot_2", marks=pytest.mark.slow),
     pytest.param("logistic_1", marks=pytest.mark.slow),
 ]
@@ -187,9 +191,11 @@ def tiered_rows(
     bundle: Path, table: str, dim: int, row_floats: int
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Every stored row of a tiered table of a bundle: ids, weights and the state (None if not kept)."""
-    reader = open_rows(bundle / "tiered", tables=[table], row_floats=row_floats)
+    precision = WeightsPrecision(json.loads((bundle / "model.json").read_text())["weights_precision"])
+    reader = open_rows(bundle / "tiered", tables=[table], row_floats=row_floats, weights_precision=precision)
     chunks = list(reader.scan(table))
     ids = np.concatenate([c[0] for c in chunks])
     rows = np.concatenate([c[1] for c in chunks])
-    state = None if row_floats == dim else torch.from_numpy(rows[:, dim:].copy()).squeeze(1)
-    return torch.from_numpy(ids), torch.from_numpy(rows[:, :dim].copy()), state
+    words = TableSpec(name=table, dim=dim, weights_precision=precision).weight_words
+    state = None if row_floats == words else torch.from_numpy(rows[:, words:].copy()).squeeze(1)
+    return torch.from_numpy(ids), torch.from_numpy(reader.weights(rows, dim).copy()), state

@@ -53,7 +53,7 @@ def test_a_complete_bundle_reads(bundle):
         (lambda b: (b / "manifest.json").write_text("{"), "manifest.json is not JSON"),
         (
             lambda b: (b / "manifest.json").write_text(json.dumps({**_manifest(b), "version": 1})),
-            "format version 1, but this tierrec reads version 2; export the checkpoint again",
+            "format version 1, but this tierrec reads versions 2, 3; export the checkpoint again",
         ),
         (
             lambda b: (b / "manifest.json").write_text(
@@ -132,6 +132,29 @@ def test_a_bundle_without_a_true_interaction_order_is_refused(bundle, change):
     with pytest.raises(BundleError, match="export the checkpoint again") as err:
         read_bundle(bundle)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("precision", "version", "message"),
+    [
+        ("bf16", 3, "weights_precision 'bf16' is not one this tierrec reads"),
+        ("fp16", 2, "weights_precision 'fp16' is not one this tierrec reads"),  # version 2 is fp32 only
+        ("fp16", 3, "row_floats 8 do not fit 8 fp16 weights"),  # an fp32 bundle relabelled
+    ],
+)
+def test_a_bundle_whose_precision_does_not_fit_is_refused(bundle, precision, version, message):
+    _rewrite_model(bundle, lambda m: m.update(weights_precision=precision))
+    (bundle / "manifest.json").write_text(json.dumps({**_manifest(bundle), "version": version}))
+    with pytest.raises(BundleError) as err:
+        load_bundle(bundle)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_version_2_bundle_reads_as_fp32(bundle):
+    _rewrite_model(bundle, lambda m: m.pop("weights_precision"))
+    (bundle / "manifest.json").write_text(json.dumps({**_manifest(bundle), "version": 2}))
+    assert read_bundle(bundle).weights_precision.value == "fp32"
+    load_bundle(bundle)
 
 
 def test_the_scorer_stacks_features_in_the_recorded_order(bundle):

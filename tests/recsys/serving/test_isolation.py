@@ -14,7 +14,7 @@ from tests.conftest import ROOT, subprocess_env
 from tests.recsys.serving.conftest import writable_copy
 
 # The commands that make and use bundles read checkpoints and datasets, which need TorchRec.
-TOOLS = {"commands", "evaluate", "export", "predict", "runs"}
+TOOLS = {"commands", "evaluate", "export", "export_tiered", "predict", "runs"}
 FORBIDDEN = ("torchrec", "fbgemm_gpu", "torch.distributed")
 
 # Makes importing TorchRec or FBGEMM raise in the process that runs it first.
