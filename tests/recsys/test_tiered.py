@@ -113,17 +113,17 @@ def test_tiered_digest_equals_untiered(world_size, sharding, optimizer):
 
 # Half-precision weights (sparse.weights_precision = fp16): FBGEMM's fp16 tables, 132-byte rows in the store.
 FP16_CASES = [
-    (1, "table_wise", "exact_rowwise_adagrad"),
-    (2, "row_wise", "exact_sgd"),
-    pytest.param(2, "table_wise", "exact_adagrad", marks=pytest.mark.slow),
-    pytest.param(1, "row_wise", "exact_rowwise_adagrad", marks=pytest.mark.slow),
+    (1, "table_wise", "exact_rowwise_adagrad", "pipelined"),
+    (2, "row_wise", "exact_sgd", "sequential"),
+    pytest.param(2, "table_wise", "exact_adagrad", "pipelined", marks=pytest.mark.slow),
+    pytest.param(1, "row_wise", "exact_rowwise_adagrad", "sequential", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("world_size", "sharding", "optimizer"), FP16_CASES)
-def test_fp16_tiered_digest_equals_untiered(world_size, sharding, optimizer):
+@pytest.mark.parametrize(("world_size", "sharding", "optimizer", "mode"), FP16_CASES)
+def test_fp16_tiered_digest_equals_untiered(world_size, sharding, optimizer, mode):
     device_rows, host_rows = (80, 240) if sharding == "row_wise" and world_size > 1 else (120, 360)
-    overrides = [f"sparse.sharding={sharding}", f"sparse.optimizer={optimizer}"]
+    overrides = [f"sparse.sharding={sharding}", f"sparse.optimizer={optimizer}", f"pipeline.mode={mode}"]
     tiers = [f"store.device_rows={device_rows}", f"store.host_rows={host_rows}"]
     half = run_ranks(
         world_size=world_size, fn=_train, arg=[*overrides, *tiers, "sparse.weights_precision=fp16"]
