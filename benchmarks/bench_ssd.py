@@ -32,6 +32,10 @@ pages now cached): ``warm_parallel_vs_sequential`` is what splitting costs where
    size of free disk; ``--skip-writeback`` / ``--skip-reads`` run one half; ``--log-compact-at`` sets the
    log's ``LmdbOptions.log_compact_at`` (more dead records kept, fewer copies).
 
+5. Precision: the same cold reads (default read_threads) of ``--rows`` fp32 rows (260 bytes at dim 64)
+   and ``--rows`` fp16 rows (132 bytes: 15 rows a block, not 7), ``--repeats`` alternating repeats of the
+   same ids: ``precision_cold_rows_per_s`` and ``fp16_vs_fp32_cold_rows``. ``--skip-precision`` skips it.
+
 Usage: python benchmarks/bench_ssd.py [--rows 4000000] [--dir /tmp/bench_ssd] [--smoke]
        [--writeback-base-rows 50000000] [--writeback-rows 30000000] [--btree-rows 1000000]
        [--log-compact-at 0.4]
@@ -51,29 +55,43 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from harness import alternate, emit, machine_info
 from ssd_tier.writeback import run_writeback
 from tiered_training.cold import cached_fraction, drop_page_cache
 
-from embedding_store import LmdbOptions, OptimizerKind, StoreConfig, TableSpec, Tier, TieredStore
+from embedding_store import (
+    LmdbOptions,
+    OptimizerKind,
+    StoreConfig,
+    TableSpec,
+    Tier,
+    TieredStore,
+    WeightsPrecision,
+)
 from embedding_store.backends import open_backend
+from embedding_store.rows import pack_weights, weights_of
 
 FILL_CHUNK = 1 << 18  # rows per fill transaction
 MAP_BYTES = 1 << 36  # no map growth during the fill (LMDB does not preallocate)
 BLOCK = 4096
 
 
-def spec_of(dim: int) -> TableSpec:
-    return TableSpec(name="t", dim=dim, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD)
-
-
-def rows_of(ids: np.ndarray, row_floats: int) -> np.ndarray:
-    """The stored row of each id: id + j / 128 in column j, rounded to float32 (the check recomputes it;
-    ids < 2^24 are exact in float32, so every id's row differs from its neighbours')."""
-    return (ids[:, None].astype(np.float32) + np.arange(row_floats, dtype=np.float32) / 128).astype(
-        np.float32
+def spec_of(dim: int, precision: WeightsPrecision = WeightsPrecision.FP32) -> TableSpec:
+    return TableSpec(
+        name="t", dim=dim, optimizer=OptimizerKind.EXACT_ROWWISE_ADAGRAD, weights_precision=precision
     )
+
+
+def rows_of(ids: np.ndarray, spec: TableSpec) -> np.ndarray:
+    """The stored (packed) row of each id: id + j / 128 in column j, rounded to float32 (the check
+    recomputes it; ids < 2^24 are exact in float32, so every id's row differs from its neighbours'). An
+    fp16 table's weights are (id mod 2039) + j / 64 as halves, its state id + j / 128 as float32."""
+    columns = np.arange(spec.row_floats, dtype=np.float32) / 128
+    rows = (ids[:, None].astype(np.float32) + columns).astype(np.float32)
+    if spec.weights_precision is WeightsPrecision.FP16:
+        weights = (ids[:, None] % 2039).astype(np.float32) + np.arange(spec.dim, dtype=np.float32) / 64
+        pack_weights(spec, weights, rows[:, : spec.weight_words])
+    return rows
 
 
 def fill(path: Path, spec: TableSpec, num_rows: int) -> float:
@@ -85,7 +103,7 @@ def fill(path: Path, spec: TableSpec, num_rows: int) -> float:
     try:
         for low in range(0, num_rows, FILL_CHUNK):
             ids = np.arange(low, min(num_rows, low + FILL_CHUNK), dtype=np.int64)
-            backend.put_rows([(spec.name, ids, rows_of(ids, spec.row_floats))])
+            backend.put_rows([(spec.name, ids, rows_of(ids, spec))])
         backend.sync()
     finally:
         backend.close()
@@ -118,8 +136,12 @@ def prefetch(
         ssd = store.counters()[spec.name][Tier.SSD]
         check = batches[0][:: max(1, batches[0].shape[0] // 256)]
         chunk = store.read_rows(spec.name, check)  # host-tier rows now: what the prefetch read
-        got = torch.cat([chunk.weights, chunk.state.reshape(check.shape[0], -1)], dim=1).numpy()
-        if not np.array_equal(got, rows_of(check, spec.row_floats)):
+        want = rows_of(check, spec)
+        state = chunk.state.reshape(check.shape[0], -1).numpy()
+        if not (
+            np.array_equal(chunk.weights.numpy(), weights_of(spec, want))
+            and np.array_equal(state, want[:, spec.weight_words :])
+        ):
             raise AssertionError(f"read_threads={threads}: prefetched rows differ from the stored rows")
         store.close(flush=False)
     if ssd.hits != total:
@@ -224,6 +246,7 @@ def main() -> None:
     parser.add_argument("--btree-rows", type=int, default=1_000_000, help="B-tree layout window (0: skip)")
     parser.add_argument("--skip-writeback", action="store_true")
     parser.add_argument("--skip-reads", action="store_true")
+    parser.add_argument("--skip-precision", action="store_true", help="no fp32 vs fp16 cold reads")
     args = parser.parse_args()
     if args.smoke:  # a store of 20,000 rows, segments of 2,048 so that compaction runs in the window
         args.rows, args.batch, args.batches, args.repeats, args.sweep, args.disk_s = (
@@ -264,6 +287,8 @@ def main() -> None:
             if part in wb:
                 emit({"experiment": "writeback", "variant": part, **wb.pop(part)})
         summary.update(wb)
+    if not args.skip_precision:
+        summary.update(precision_reads(args))
     summary["load_avg_1m_end"] = os.getloadavg()[0]  # other processes share the disk and the CPUs
     emit(summary, digits=3)
 
@@ -348,6 +373,41 @@ def cold_reads(args: argparse.Namespace) -> dict[str, Any]:
         "rows_per_measurement": per_run,
         "batch_ids": args.batch,
         "repeats": args.repeats,
+    }
+
+
+def precision_reads(args: argparse.Namespace) -> dict[str, Any]:
+    """Step 5: cold reads of fp32 rows (260 bytes at dim 64) against fp16 rows (132 bytes), ``--rows``
+    each, at the default read_threads, ``--repeats`` alternating repeats of the same random ids."""
+    specs = {p.value: spec_of(args.dim, p) for p in WeightsPrecision}
+    paths = {name: args.dir / f"store_{name}" for name in specs}
+    mib = {}
+    per_run = min(args.rows, args.batch * args.batches)
+    rng = np.random.default_rng(1)
+    try:
+        for name, spec in specs.items():
+            fill(paths[name], spec, args.rows)
+            mib[name] = (paths[name] / "data.mdb").stat().st_size / 2**20
+        draws = [np.sort(rng.choice(args.rows, per_run, replace=False)) for _ in range(args.repeats)]
+
+        def run(name: str, repeat: int) -> dict[str, Any]:
+            ids = [np.sort(part) for part in np.array_split(draws[repeat], args.batches)]
+            result = prefetch(paths[name], specs[name], LmdbOptions().read_threads, ids)
+            emit({"experiment": "precision", "variant": name, "repeat": repeat, **result})
+            return result
+
+        runs = alternate(list(specs), args.repeats, run)
+    finally:
+        if not args.keep:
+            for path in paths.values():
+                shutil.rmtree(path, ignore_errors=True)
+    rate = {name: [r["rows_per_s"] for r in runs[name]] for name in specs}
+    return {
+        "precision_cold_rows_per_s": {name: statistics.median(v) for name, v in rate.items()},
+        "fp16_vs_fp32_cold_rows": statistics.median(rate["fp16"]) / statistics.median(rate["fp32"]),
+        "fp16_vs_fp32_cold_rows_runs": [a / b for a, b in zip(rate["fp16"], rate["fp32"], strict=True)],
+        "precision_row_bytes": {name: spec.row_bytes for name, spec in specs.items()},
+        "precision_data_mdb_mib": mib,
     }
 
 
