@@ -194,6 +194,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"train.batch_size={args.batch}",
         "train.log_every=20",
         "train.checkpoint_every=0",
+        # no checkpoint at the end: it measures training (and the digest of a 100 M-row checkpoint holds
+        # every row in memory, more than this machine has)
+        "train.final_checkpoint=false",
         "eval.every=0",
         "synthetic.eval_samples=256",
         "eval.batch_size=256",
