@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embedding_store.config import MAX_ID, WeightsPrecision
+from embedding_store.config import MAX_ID, TableSpec, WeightsPrecision
 from recsys.errors import UserError
 from recsys.table_names import table_name
 
@@ -330,7 +330,7 @@ def _check_row_words(
     for f in features:
         if f.kind != "tiered":
             continue
-        words = f.dim if precision is WeightsPrecision.FP32 else (f.dim + 1) // 2
+        words = TableSpec(name=f.table, dim=f.dim, weights_precision=precision).weight_words
         if model["row_floats"] != words + state:
             raise _fail(
                 path,
