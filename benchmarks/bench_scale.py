@@ -46,7 +46,7 @@ from harness import emit, machine_info, quiet
 from ssd_tier.disk import DiskIo
 from tiered_training.runs import Windows
 
-from embedding_store import TableSpec, Tier, WeightsPrecision
+from embedding_store import TableSpec, Tier
 from embedding_store.backends import open_backend
 from embedding_store.rows import pack_weights
 from recsys.build import TrainSpec
@@ -55,7 +55,7 @@ from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
 from recsys.distributed import free_port, init_distributed
 from recsys.routing import values_by_feature
 from recsys.sharding import local_shards
-from recsys.tiered import RoutedBatch, TieredTables, row_bytes
+from recsys.tiered import RoutedBatch, TieredTables, row_bytes, slot_row_bytes
 from recsys.trainer import Trainer
 
 GIB = 2**30
@@ -133,6 +133,7 @@ def recording_tables(
             # binding finds them, through recsys.sharding's public local_shards.
             mine = [t for t in tables if t.name in self.names]
             self.slot_tables = {s.table: s for s in local_shards(dmp, mine)}
+            self.precision = plan.weights_precision  # the slot tables may hold fp16 values as float32
 
         def fill(self, routed: RoutedBatch) -> Any:
             out = super().fill(routed)
@@ -153,9 +154,7 @@ def recording_tables(
                 shard = self.slot_tables[name]
                 weights = shard.weight.data[slots]
                 state = shard.state.data.reshape(shard.weight.shape[0], -1)[slots]
-                half = weights.dtype == torch.float16
-                precision = WeightsPrecision.FP16 if half else WeightsPrecision.FP32
-                spec = TableSpec(name=name, dim=weights.shape[1], weights_precision=precision)
+                spec = TableSpec(name=name, dim=weights.shape[1], weights_precision=self.precision)
                 rows = np.empty((weights.shape[0], spec.row_floats), dtype=np.float32)  # as the store packs
                 pack_weights(spec, weights.numpy(), rows[:, : spec.weight_words])
                 rows[:, spec.weight_words :] = state.numpy()
@@ -206,13 +205,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     cfg = config_from_dict({}, overrides)
     row = row_bytes(cfg.sparse, cfg.model.embedding_dim)  # 260 bytes (fp32), 132 (fp16)
+    slot = slot_row_bytes(cfg.sparse, cfg.model.embedding_dim)  # 260 unless FBGEMM's tables are fp16
     data = SyntheticCriteo(
         SyntheticConfig(num_sparse=args.tables, id_space=2**63, zipf_alpha=1.05, num_dense=13),
         seed=cfg.train.seed,
     )
     sample = sampled_ids(data, features, steps=args.steps, batch=args.batch, count=args.check)
     oracle: dict[str, dict[int, np.ndarray]] = {}
-    budget = args.tables * (args.host_rows + args.device_rows) * row
+    budget = args.tables * (args.host_rows * row + args.device_rows * slot)
     trainer = Trainer(
         cfg, ENV, out_dir=args.dir / "run", spec=TrainSpec(tables=recording_tables(sample, oracle))
     )

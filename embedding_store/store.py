@@ -179,8 +179,9 @@ class TieredStore:
 
         Args:
             table: table name.
-            weights: (S, D) float32 slot-table weights, S = the table's device capacity; e.g. FBGEMM's
-                ``split_embedding_weights()[t]``. Its current contents are ignored.
+            weights: (S, D) slot-table weights of the table's precision, S = the table's device capacity;
+                e.g. FBGEMM's ``split_embedding_weights()[t]``; an fp16 table's may be float32 holding
+                float16 values (rounded by the trainer after each update). Its current contents are ignored.
             state: optimizer state aliasing the slot table's: (S,) or (S, 1) for EXACT_ROWWISE_ADAGRAD,
                 (S, D) for EXACT_ADAGRAD, None for EXACT_SGD; e.g. ``split_optimizer_states()[t][0]``.
         """
@@ -281,6 +282,13 @@ class TieredStore:
             if pinned is None:
                 raise ValueError(f"batch {batch_id} is not resident")
             self._unpin.append((batch_id, pinned))
+
+    def slot_ids(self, table: str, slots: np.ndarray) -> np.ndarray:
+        """(N,) ids held by (N,) slots of ``table``'s slot table, slots an in-flight batch pinned.
+
+        Does not take the store lock: a pinned slot's id cannot change until the batch is released.
+        """
+        return self._tables[table]._bound().ids[slots]
 
     def evict(self, table: str, ids: IdsLike | None = None) -> int:
         """Write rows back from the device tier (to the host tier, whose dirty victims go to the

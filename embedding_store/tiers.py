@@ -173,8 +173,9 @@ class DeviceTier(_Positions):
     def __init__(
         self, spec: TableSpec, weights: torch.Tensor, state: torch.Tensor | None, policy: PolicyKind
     ) -> None:
-        dtype = getattr(torch, spec.weights_precision.dtype)
-        if weights.dim() != 2 or weights.shape[1] != spec.dim or weights.dtype != dtype:
+        # An fp16 table's slot table may hold its float16 values as float32 (rounded by its trainer).
+        dtypes = {getattr(torch, spec.weights_precision.dtype), torch.float32}
+        if weights.dim() != 2 or weights.shape[1] != spec.dim or weights.dtype not in dtypes:
             raise ValueError(
                 f"weights of table {spec.name!r} must be (S, {spec.dim}) {spec.weights_precision.dtype}, got "
                 f"{tuple(weights.shape)} {weights.dtype}"
@@ -241,6 +242,7 @@ class DeviceTier(_Positions):
             return
         index = torch.from_numpy(slots).to(self.weights.device)
         src = to_device(torch.from_numpy(weights_of(self.spec, rows)), self.weights.device)  # (N, D)
+        src = src.to(self.weights.dtype)  # exact: an fp16 table's float32 slot table holds float16 values
         self.weights.index_copy_(0, index, src)
         if self.state is not None:
             state = to_device(

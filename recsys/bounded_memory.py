@@ -37,7 +37,8 @@ class InMemoryBounds:
         tables: the bounded tables' configs (``num_embeddings`` includes the default row).
         rules: table name -> its rule, and the default row ids (``(rules, default_ids)``).
         row_wise: the tables are sharded row-wise.
-        init: the rows' initial values: ``(seed, scale)``.
+        init: the rows' initial values: ``(seed, scale, dtype)`` (dtype: the weights' storage precision,
+            to which they are rounded).
     """
 
     def __init__(
@@ -46,7 +47,7 @@ class InMemoryBounds:
         tables: list[EmbeddingBagConfig],
         rules: tuple[dict[str, BoundsRule], dict[str, int]],
         row_wise: bool,
-        init: tuple[int, float],
+        init: tuple[int, float, torch.dtype],
     ) -> None:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -60,7 +61,7 @@ class InMemoryBounds:
         held = {n for n in self.names if n in self.shards} if not self.ownership.hashed else set(self.names)
         self._router = Router(self.ownership, names=self.names, held=held)
         self.bounded = BoundedTables(rules[0], rules[1], held)
-        self.seed, self.scale = init
+        self.seed, self.scale, self.dtype = init
         self._exchanges: dict[str, Exchange] = {TRAIN: world, EVAL: world}
         if self.world_size > 1:
             groups = [dist.new_group(backend="gloo", timeout=collective_timeout()) for _ in range(2)]
@@ -112,6 +113,8 @@ class InMemoryBounds:
                 continue
             rows = mine - shard.row_offset
             full = init_rows(mine, dim=shard.col_offset + d, seed=self.seed, table=name, scale=self.scale)
-            shard.weight[rows] = full[:, shard.col_offset :].to(shard.weight.device, shard.weight.dtype)
+            shard.weight[rows] = (
+                full[:, shard.col_offset :].to(self.dtype).to(shard.weight.device, shard.weight.dtype)
+            )
             if shard.state is not None:
                 shard.state[rows] = 0

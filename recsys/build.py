@@ -18,7 +18,6 @@ from torchrec import EmbeddingBagConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from tqdm import tqdm
 
-from embedding_store import WeightsPrecision
 from pipelines import StagedPipeline
 from recsys.bounded import default_id
 from recsys.bounded_memory import InMemoryBounds
@@ -34,7 +33,7 @@ from recsys.routing import tiered_features
 from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
 from recsys.sparse import ShardingKind
 from recsys.table_names import table_name
-from recsys.tiered import TieredTables, TierPlan, row_bytes, tiered_feed
+from recsys.tiered import TieredTables, TierPlan, row_bytes, slot_row_bytes, tiered_feed
 from recsys.windows import enable_frozen_windows
 
 __all__ = ["ModelParts", "TrainSpec", "build_parts", "fold_ids", "progress_bar"]
@@ -151,7 +150,13 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         )
     features = data.feature_names
     tiered = tiered_features(cfg.store, features)
-    capacities = Capacities.resolve(cfg.store, tiered, row_bytes=row_bytes(cfg.sparse, cfg.model.table_dim))
+    dim = cfg.model.table_dim
+    capacities = Capacities.resolve(
+        cfg.store,
+        tiered,
+        row_bytes=row_bytes(cfg.sparse, dim),
+        slot_row_bytes=slot_row_bytes(cfg.sparse, dim),
+    )
     owners = env.world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
     if env.is_main:
         for note in capacities.notes:
@@ -187,8 +192,9 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     ]
     if env.is_main:
         _warn_folded(cfg, features, data.id_spaces, fold)
-    fp16 = cfg.sparse.weights_precision is WeightsPrecision.FP16
-    tables = table_configs(features, dim=cfg.model.table_dim, num_embeddings=num_embeddings, fp16=fp16)
+    tables = table_configs(
+        features, dim=cfg.model.table_dim, num_embeddings=num_embeddings, fp16=cfg.sparse.fp16_tables
+    )
     torch.manual_seed(cfg.train.seed)
     windows = cfg.pipeline.frozen_windows
     if windows > cfg.train.batch_size // env.world_size:
@@ -203,7 +209,9 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     dmp = shard_model(model, tables, sparse=cfg.sparse, device=env.device)
     if windows > 1:
         enable_frozen_windows(dmp, windows, env.world_size)
-    init_embedding_rows(dmp, tables, seed=cfg.train.seed, scale=cfg.sparse.init_scale)
+    init_embedding_rows(
+        dmp, tables, seed=cfg.train.seed, scale=cfg.sparse.init_scale, precision=cfg.sparse.weights_precision
+    )
     optimizer = build_optimizer(dmp, cfg.train)
     binding = None
     if tiered:
@@ -227,7 +235,7 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
             [t for t in tables if t.feature_names[0] in rules],
             ({table_name(f): r for f, r in rules.items()}, default_ids),
             cfg.sparse.sharding is ShardingKind.ROW_WISE,
-            (cfg.train.seed, cfg.sparse.init_scale),
+            (cfg.train.seed, cfg.sparse.init_scale, getattr(torch, cfg.sparse.weights_precision.dtype)),
         )
     return ModelParts(
         data=data,

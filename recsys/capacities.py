@@ -72,9 +72,12 @@ class Capacities:
     notes: tuple[str, ...] = ()
 
     @classmethod
-    def resolve(cls, store: StoreSection, features: list[str], *, row_bytes: int) -> Capacities:
+    def resolve(
+        cls, store: StoreSection, features: list[str], *, row_bytes: int, slot_row_bytes: int | None = None
+    ) -> Capacities:
         """``store.capacities_from``, else ``[store.capacity]``, else ``store.device_rows``/``host_rows``
         for each tiered feature; tune.json is read here and only here. Without tiers nothing is read.
+        Sizes are counted in rows of ``row_bytes`` (host) and ``slot_row_bytes`` (device; default the same).
 
         Raises:
             UserError: a capacity names a feature that is not tiered, is out of range, or tune.json
@@ -104,11 +107,12 @@ class Capacities:
             )
         tuned = load_tune(store.capacities_from) if store.capacities_from else {}
         device_rows, host_rows, source, notes = {}, {}, {}, []
+        slot_bytes = row_bytes if slot_row_bytes is None else slot_row_bytes
         for f in features:
             device, host, source[f] = store.device_rows, store.host_rows, DEFAULT
             cap = store.capacity.get(f)
             if cap is not None:
-                device = device if cap.device is None else rows_of(cap.device, row_bytes)
+                device = device if cap.device is None else rows_of(cap.device, slot_bytes)
                 host = host if cap.host is None else rows_of(cap.host, row_bytes)
                 source[f] = SECTION
             if f in tuned:
@@ -126,7 +130,7 @@ class Capacities:
                     else f"store.capacity.{f}.device"
                 )
                 value = cap.device if cap and source[f] == SECTION else device
-                raise UserError(f"{where} = {value!r} is less than one row ({row_bytes} bytes each)")
+                raise UserError(f"{where} = {value!r} is less than one row ({slot_bytes} bytes each)")
             device_rows[f], host_rows[f] = device, host
         keys = ("predicted_device_hit_rate", "predicted_host_hit_rate")
         covered = {f: entry for f, entry in tuned.items() if f in device_rows}

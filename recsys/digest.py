@@ -27,12 +27,17 @@ Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # ids (n,), weigh
 
 
 @torch.no_grad()
-def touched_rows(rows: Rows, *, table: str, seed: int, scale: float) -> Rows:
-    """The non-pristine rows of a block: those that differ from their initial value or have state."""
+def touched_rows(
+    rows: Rows, *, table: str, seed: int, scale: float, dtype: torch.dtype = torch.float32
+) -> Rows:
+    """The non-pristine rows of a block: those that differ from their initial value or have state.
+    ``dtype``: the weights' storage precision; fp16 tables start from the initial rows rounded to nearest
+    even (as the store rounds them), whether a block holds them as float16 or float32."""
     ids, weight, state = rows
     weight = weight.cpu()
-    # fp16 tables start from the initial rows rounded to nearest even (as the store and FBGEMM round)
-    initial = init_rows(ids, dim=weight.shape[1], seed=seed, table=table, scale=scale).to(weight.dtype)
+    initial = (
+        init_rows(ids, dim=weight.shape[1], seed=seed, table=table, scale=scale).to(dtype).to(weight.dtype)
+    )
     changed = (weight != initial).any(dim=1)
     if state is not None:
         state = state.cpu()
@@ -68,6 +73,7 @@ def model_digest(
     *,
     seed: int,
     init_scale: float,
+    dtype: torch.dtype = torch.float32,
 ) -> str:
     """Hex digest of dense parameters and touched rows; collective over all ranks, every rank gets it.
 
@@ -78,6 +84,7 @@ def model_digest(
             exactly one rank.
         seed: the run's seed (initial values come from it).
         init_scale: the tables' initialisation scale.
+        dtype: the tables' weights precision (``sparse.weights_precision``).
     """
     h = hashlib.blake2b(digest_size=16)
     state = dmp.state_dict()
@@ -89,7 +96,9 @@ def model_digest(
         h.update(value.detach().cpu().contiguous().numpy().astype("<f4").tobytes())
     mine: dict[str, list[Rows]] = {}
     for table, rows in local_rows:
-        mine.setdefault(table, []).append(touched_rows(rows, table=table, seed=seed, scale=init_scale))
+        mine.setdefault(table, []).append(
+            touched_rows(rows, table=table, seed=seed, scale=init_scale, dtype=dtype)
+        )
     gathered: list[dict[str, list[Rows]]] = [mine]
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:

@@ -254,6 +254,8 @@ class TrainLoop:
         while state.step < tcfg.steps:
             t0 = time.perf_counter()
             loss, _, _ = pipeline.progress(batches)
+            if t.rounding is not None:  # fp16 rows back to float16 values, before their slots are released
+                t.rounding.after_step(state.step)
             if t.tiered is not None:
                 t.tiered.release(state.step)  # its backward and optimizer step are done
             state.step += 1

@@ -26,7 +26,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from embedding_store import OptimizerKind
+from embedding_store import OptimizerKind, WeightsPrecision
 from embedding_store.init import init_rows
 from recsys.sparse import ShardingKind, SparseConfig
 from recsys.train_config import DenseOptimizer, TrainConfig
@@ -71,9 +71,10 @@ def shard_model(
     """Shard ``model``'s tables over the process group with the fused optimizer of ``sparse``."""
     pg = pg or dist.group.WORLD
     world_size = dist.get_world_size(pg)
-    # fp16 weights round their updates to nearest even: FBGEMM's CUDA kernels would otherwise round them
-    # stochastically, from a random stream a tiered run (rows at other slots) would not reproduce; its CPU
-    # kernels round to nearest even whatever this says.
+    # FBGEMM's fp16 tables (sparse.fp16_rounding = nearest) round their updates to nearest even: its CUDA
+    # kernels would otherwise round them stochastically, from a random stream a tiered run (rows at other
+    # slots) would not reproduce; its CPU kernels round to nearest even whatever this says. Stochastic
+    # rounding that a tiered run reproduces is recsys.rounding's, on float32 tables.
     fused_params: dict[str, object] = {
         "optimizer": _FUSED_OPT[sparse.optimizer],
         "learning_rate": sparse.learning_rate,
@@ -149,13 +150,19 @@ def local_shards(dmp: DistributedModelParallel, tables: list[EmbeddingBagConfig]
 
 @torch.no_grad()
 def init_embedding_rows(
-    dmp: DistributedModelParallel, tables: list[EmbeddingBagConfig], *, seed: int, scale: float
+    dmp: DistributedModelParallel,
+    tables: list[EmbeddingBagConfig],
+    *,
+    seed: int,
+    scale: float,
+    precision: WeightsPrecision = WeightsPrecision.FP32,
 ) -> None:
-    """Give every row its deterministic initial value (a function of seed, table and id) and zero state."""
+    """Give every row its deterministic initial value (a function of seed, table and id, rounded to
+    ``precision`` to nearest even) and zero state."""
     for shard in local_shards(dmp, tables):
         n, d = shard.weight.shape
         ids = torch.arange(shard.row_offset, shard.row_offset + n, dtype=torch.int64)
         full = init_rows(ids, dim=shard.col_offset + d, seed=seed, table=shard.table, scale=scale)
-        shard.weight.copy_(full[:, shard.col_offset :])
+        shard.weight.copy_(full[:, shard.col_offset :].to(getattr(torch, precision.dtype)))
         if shard.state is not None:
             shard.state.zero_()

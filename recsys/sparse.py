@@ -7,12 +7,19 @@ from dataclasses import dataclass
 
 from embedding_store import OptimizerKind, WeightsPrecision
 
-__all__ = ["ShardingKind", "SparseConfig"]
+__all__ = ["Fp16Rounding", "ShardingKind", "SparseConfig"]
 
 
 class ShardingKind(enum.Enum):
     TABLE_WISE = "table_wise"  # each table lives whole on one rank
     ROW_WISE = "row_wise"  # each table's rows are split in blocks across ranks
+
+
+class Fp16Rounding(enum.Enum):
+    """How an ``fp16`` table's updated weights become float16 values again."""
+
+    STOCHASTIC = "stochastic"  # float32 slot tables, touched rows rounded after each step (recsys.rounding)
+    NEAREST = "nearest"  # FBGEMM's float16 tables: its kernels round each update to nearest even
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -29,8 +36,14 @@ class SparseConfig:
         init_scale: rows start uniform in [-init_scale, init_scale), a function of (seed, table, id).
         max_rows_per_table: rows of an in-memory table; ids of a larger id space are taken modulo this.
         weights_precision: ``fp32`` or ``fp16``: how the embedding weights are stored and trained, in
-            FBGEMM's tables and on every tier (optimizer state stays float32). FBGEMM's CPU kernels round
-            fp16 updates to nearest even; bf16 is not offered (they do not train bf16 weights).
+            the host and disk tiers, checkpoints and bundles (optimizer state stays float32); bf16 is not
+            offered (FBGEMM's CPU kernels do not train bf16 weights).
+        fp16_rounding: ``stochastic`` (default): the slot tables hold float32 values that are float16
+            numbers, and after each step the rows it touched are rounded to float16 up or down at random,
+            the odds given by the distance, the random bits a function of (seed, table, id, step, column)
+            only, so tiered and in-memory runs round alike; ``nearest``: FBGEMM's own float16 tables, whose
+            kernels round each update to nearest even (half the slot memory; small updates can vanish).
+            Ignored at ``fp32``.
     """
 
     optimizer: OptimizerKind = OptimizerKind.EXACT_ROWWISE_ADAGRAD
@@ -40,6 +53,7 @@ class SparseConfig:
     init_scale: float = 0.01
     max_rows_per_table: int = 1_000_000
     weights_precision: WeightsPrecision = WeightsPrecision.FP32
+    fp16_rounding: Fp16Rounding = Fp16Rounding.STOCHASTIC
 
     def __post_init__(self) -> None:
         if not self.learning_rate > 0:
@@ -50,3 +64,15 @@ class SparseConfig:
             raise ValueError(f"init_scale must be >= 0, got {self.init_scale}")
         if self.max_rows_per_table < 1:
             raise ValueError(f"max_rows_per_table must be >= 1, got {self.max_rows_per_table}")
+
+    @property
+    def fp16_tables(self) -> bool:
+        """FBGEMM's tables hold float16 weights (``fp16`` rounded to nearest); otherwise float32."""
+        return self.weights_precision is WeightsPrecision.FP16 and self.fp16_rounding is Fp16Rounding.NEAREST
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """``fp16`` weights held as float32 and rounded stochastically after each step."""
+        return (
+            self.weights_precision is WeightsPrecision.FP16 and self.fp16_rounding is Fp16Rounding.STOCHASTIC
+        )

@@ -66,7 +66,6 @@ from recsys.tier_shard import Rows, TierShard, claim_shard
 __all__ = ["TierPlan", "TieredTables", "RoutedBatch", "row_bytes", "tiered_feed"]
 
 TRAIN, EVAL = "train", "eval"
-FP16, FP32 = WeightsPrecision.FP16, WeightsPrecision.FP32
 
 
 def row_bytes(sparse: SparseConfig, dim: int) -> int:
@@ -76,6 +75,14 @@ def row_bytes(sparse: SparseConfig, dim: int) -> int:
         name="t", dim=dim, optimizer=sparse.optimizer, weights_precision=sparse.weights_precision
     )
     return spec.row_bytes
+
+
+def slot_row_bytes(sparse: SparseConfig, dim: int) -> int:
+    """Bytes of one slot of a tiered table's device tier: as :func:`row_bytes`, but with float32 weights
+    unless FBGEMM's tables are float16 (``fp16`` rounded to nearest): stochastic rounding trains float32
+    slot tables that hold float16 values."""
+    precision = WeightsPrecision.FP16 if sparse.fp16_tables else WeightsPrecision.FP32
+    return TableSpec(name="t", dim=dim, optimizer=sparse.optimizer, weights_precision=precision).row_bytes
 
 
 def _lmdb_options(max_bytes: int, unmap_every_rows: int) -> LmdbOptions:
@@ -126,6 +133,8 @@ class TierPlan:
         optimizer: the fused optimizer (decides the optimizer state a row carries).
         init_scale: rows start uniform in [-init_scale, init_scale).
         row_wise: tables are sharded row-wise (else table-wise).
+        weights_precision: how every tier stores the weights (the slot tables may hold them as float32:
+            ``sparse.fp16_rounding = stochastic``).
         path: this job's store directory; rank r keeps its LMDB in ``path/rank_r``, locked by
             ``path/rank_r.lock`` while the tables are open.
         bounds: the bounded tables' rules (:mod:`recsys.bounded`); their ``id_spaces`` include the
@@ -139,6 +148,7 @@ class TierPlan:
     optimizer: OptimizerKind
     init_scale: float
     row_wise: bool
+    weights_precision: WeightsPrecision
     path: Path
     bounds: dict[str, BoundsRule] = field(default_factory=dict)
     default_ids: dict[str, int] = field(default_factory=dict)
@@ -169,6 +179,7 @@ class TierPlan:
             optimizer=sparse.optimizer,
             init_scale=sparse.init_scale,
             row_wise=sparse.sharding is ShardingKind.ROW_WISE,
+            weights_precision=sparse.weights_precision,
             path=path,
             bounds=bounds[0],
             default_ids=bounds[1],
@@ -231,7 +242,7 @@ class TieredTables:
                 device_capacity_rows=shards[name].weight.shape[0],
                 host_capacity_rows=plan.capacities.host_rows[self.feature[name]],
                 expected_max_rows=(plan.bounds[name].max_rows or None) if name in plan.bounds else None,
-                weights_precision=FP16 if shards[name].weight.dtype == torch.float16 else FP32,
+                weights_precision=plan.weights_precision,
             )
             for name in sorted(shards)
         ]
@@ -242,6 +253,12 @@ class TieredTables:
         directory = claim_shard(plan.path / f"rank_{self.rank}", exchange=world, world_size=self.world_size)
         self.shard = TierShard(directory, config=plan.store, tables=specs, slots=shards, owns=self.owns)
         self.tallies = TierCounters(self.shard)
+
+    def slot_ids(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """(N,) ids held by slots of table ``name`` that the batch in training pinned."""
+        store = self.shard.store
+        assert store is not None, "the store is closed"
+        return store.slot_ids(name, slots)
 
     def owns(self, name: str, ids: np.ndarray) -> np.ndarray:
         """(n,) bool: which ids of table ``name`` this rank owns now."""

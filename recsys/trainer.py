@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipelines import StagedPipeline
 from recsys.build import ModelParts, TrainSpec, build_parts, fold_source
 from recsys.checkpoint import (
@@ -36,6 +38,7 @@ from recsys.errors import UserError
 from recsys.evaluation import Evaluator
 from recsys.health import StepHealth
 from recsys.metrics import MetricsLog, rewind_metrics
+from recsys.rounding import StepRounding
 from recsys.selection import BestTracker
 from recsys.tier_metrics import TierMetrics
 from recsys.train_state import TrainState
@@ -90,6 +93,12 @@ class Trainer:
         tiered = [] if self.tiered is None else self.tiered.names
         self.health = StepHealth(
             self.dmp, self.tables, tiered=tiered, config=config, world_size=env.world_size
+        )
+        # fp16 tables with stochastic rounding: the rows each step read, rounded after its update.
+        self.rounding = (
+            StepRounding(self.dmp, self.tables, seed=config.train.seed, tiered=self.tiered)
+            if config.sparse.stochastic_rounding
+            else None
         )
         self.tier_metrics = (
             None
@@ -298,6 +307,7 @@ class Trainer:
             rows,
             seed=self.config.train.seed,
             init_scale=self.config.sparse.init_scale,
+            dtype=getattr(torch, self.config.sparse.weights_precision.dtype),
         )
 
     def fit(self, metrics: MetricsLog) -> dict[str, Any]:

@@ -142,6 +142,24 @@ def _state_name(payload: dict[str, Any], key: str, table: str) -> str | None:
     return None
 
 
+def _in_precision(chunks: Chunks, dtype: type, what: str) -> Chunks:
+    """``chunks`` as ``dtype``: an fp16 table trained with stochastic rounding is checkpointed as float32
+    holding float16 values; a value the conversion would change is refused, never rounded."""
+
+    def converted() -> Iterator[np.ndarray]:
+        for chunk in chunks():
+            if chunk.dtype != dtype:
+                narrow = chunk.astype(dtype)
+                if not np.array_equal(narrow.astype(chunk.dtype), chunk, equal_nan=True):
+                    raise UserError(
+                        f"export: {what} holds values that are not {np.dtype(dtype).name} numbers"
+                    )
+                chunk = narrow
+            yield chunk
+
+    return converted
+
+
 # -- tiered tables: merge the ranks' snapshots into one LMDB ------------------------------------------
 
 
@@ -356,6 +374,9 @@ def _write(
             chunks = restricted_chunks(chunks, keep, table)
             shape = (keep.shape[0], shape[1])
             feature.update(rows=shape[0], default_id=int(keep[-1]))
+        chunks = _in_precision(
+            chunks, getattr(np, precision.dtype), f"checkpoint {checkpoint}: table {table}"
+        )
         plain_entries.append((f"{table}.weight", shape, weight_type, chunks))
         if keep is not None:
             plain_entries.append((f"{table}.ids", keep.shape, "I64", lambda k=keep: iter([k])))

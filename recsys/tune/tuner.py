@@ -26,7 +26,7 @@ import numpy as np
 from pipelines import PipelineMode
 from recsys.config import RunConfig
 from recsys.errors import UserError
-from recsys.tiered import row_bytes
+from recsys.tiered import row_bytes, slot_row_bytes
 from recsys.tune.curves import capacity_grid, lru_curve, policy_curve
 from recsys.tune.replay import Replay, replay
 from recsys.tune.split import split_budget
@@ -58,6 +58,7 @@ class _Table:
     min_rows: int  # per owner
     distinct: int  # most distinct ids of one owner
     row_bytes: int
+    slot_bytes: int  # of a device-tier slot (recsys.tiered.slot_row_bytes)
     owners: int
     pinned: int  # training batches in flight at a fill (recsys.tune.replay.batches_in_flight)
     memo: dict[tuple[int, SimPolicy, int], tuple[float, float, float, float]] = field(default_factory=dict)
@@ -195,6 +196,7 @@ def tune(
     policy = config.store.policy
     lookahead = config.store.lookahead if config.pipeline.mode is PipelineMode.PIPELINED else 0
     rbytes = row_bytes(config.sparse, config.model.table_dim)
+    sbytes = slot_row_bytes(config.sparse, config.model.table_dim)
     tables: list[_Table] = []
     for name, traces in rep.traces.items():
         sampled = [_sample(trace, SAMPLE_ABOVE_ACCESSES, MIN_SAMPLED_IDS) for trace in traces]
@@ -210,17 +212,18 @@ def tune(
                 min_rows=table_min_rows(traces, rep.pinned_batches),
                 distinct=max(max(t.num_ids for t in traces), 1),
                 row_bytes=rbytes,
+                slot_bytes=sbytes,
                 owners=len(traces),
                 pinned=rep.pinned_batches,
             )
         )
-    min_bytes = sum(t.min_rows * t.row_bytes * t.owners for t in tables)
+    min_bytes = sum(t.min_rows * t.slot_bytes * t.owners for t in tables)
     if device_budget < min_bytes:
         worst = ", ".join(f"{t.name} {t.min_rows} rows" for t in tables)
         raise UserError(
             f"--device-budget {_format_bytes(device_budget)} cannot hold the batches in flight: the tiered "
             f"tables need at least {_format_bytes(min_bytes)} ({min_bytes} bytes: {worst} per owner, "
-            f"{rbytes} bytes a row, {rep.pinned_batches} training batches pinned)"
+            f"{sbytes} bytes a row, {rep.pinned_batches} training batches pinned)"
         )
 
     # Curves of every policy on a grid per table (full-trace rows), for the report and the split.
@@ -241,7 +244,7 @@ def tune(
 
     # Device split: save the most bytes of rows filled into the device tier.
     n = len(tables)
-    equal_device = [int(device_budget / n // (t.row_bytes * t.owners)) for t in tables]
+    equal_device = [int(device_budget / n // (t.slot_bytes * t.owners)) for t in tables]
     costs, values, options = [], [], []
     for t, eq in zip(tables, equal_device, strict=True):
         grid, fills = fills_of[t.name]
@@ -253,15 +256,15 @@ def tune(
         caps = caps[caps >= t.min_rows]
         saved = _interp_fills(grid, fills, caps[:1]) - _interp_fills(grid, fills, caps)
         options.append(caps)
-        costs.append(caps * t.row_bytes * t.owners)
+        costs.append(caps * t.slot_bytes * t.owners)
         values.append(saved * t.row_bytes)
     pick = split_budget(costs, values, device_budget)
     assert pick is not None  # the minimum fits (checked above)
     device_rows = [int(options[i][k]) for i, k in enumerate(pick)]
     # Leftover budget (grid rounding) goes to the tables in proportion to their rows, capped at their ids.
-    spare = device_budget - sum(d * t.row_bytes * t.owners for d, t in zip(device_rows, tables, strict=True))
+    spare = device_budget - sum(d * t.slot_bytes * t.owners for d, t in zip(device_rows, tables, strict=True))
     for i, t in enumerate(tables):
-        extra = int(spare / n // (t.row_bytes * t.owners))
+        extra = int(spare / n // (t.slot_bytes * t.owners))
         device_rows[i] = min(t.distinct, device_rows[i] + max(0, extra))
 
     # Host split given the device rows: save the most bytes of LMDB reads (device + host as one cache).
@@ -357,7 +360,7 @@ def tune(
         "pinned_batches": rep.pinned_batches,
         "device_budget_bytes": device_budget,
         "host_budget_bytes": host_budget,
-        "device_bytes": sum(d * t.row_bytes * t.owners for d, t in zip(device_rows, tables, strict=True)),
+        "device_bytes": sum(d * t.slot_bytes * t.owners for d, t in zip(device_rows, tables, strict=True)),
         "host_bytes": sum(h * t.row_bytes * t.owners for h, t in zip(host_rows, tables, strict=True)),
         "tables": {},
         "total": total,
@@ -376,6 +379,7 @@ def tune(
             "host_rows": h,
             **chosen[t.name],
             "row_bytes": t.row_bytes,
+            "slot_bytes": t.slot_bytes,
             "owners": t.owners,
             "min_device_rows": t.min_rows,
             "distinct_ids": t.distinct,

@@ -67,3 +67,24 @@ def test_row_bytes_follow_the_precision():
     )  # 64 weights + row-wise Adagrad's one float
     sgd = SparseConfig(optimizer=OptimizerKind.EXACT_SGD, weights_precision=WeightsPrecision.FP16)
     assert row_bytes(sgd, 7) == 16  # 7 halves round up to 4 words
+
+
+def test_device_slots_follow_the_rounding():
+    """Stochastic rounding trains float32 slot tables (260-byte slots, 132-byte rows below them); FBGEMM's
+    float16 tables (rounding to nearest) have 132-byte slots. A device size counts slots of those bytes."""
+    from embedding_store import WeightsPrecision
+    from recsys.capacities import Capacities
+    from recsys.config import config_from_dict
+    from recsys.sparse import Fp16Rounding, SparseConfig
+    from recsys.tiered import row_bytes, slot_row_bytes
+
+    fp16 = WeightsPrecision.FP16
+    stochastic = SparseConfig(weights_precision=fp16)
+    nearest = SparseConfig(weights_precision=fp16, fp16_rounding=Fp16Rounding.NEAREST)
+    assert (slot_row_bytes(stochastic, 64), row_bytes(stochastic, 64)) == (260, 132)
+    assert (slot_row_bytes(nearest, 64), row_bytes(nearest, 64)) == (132, 132)
+    assert slot_row_bytes(SparseConfig(), 64) == 260
+    capacity = {"cat_0": {"device": "26000B", "host": "26400B"}}
+    cfg = config_from_dict({"store": {"tiered": True, "capacity": capacity}}, [])
+    caps = Capacities.resolve(cfg.store, ["cat_0"], row_bytes=132, slot_row_bytes=260)
+    assert (caps.device_rows["cat_0"], caps.host_rows["cat_0"]) == (100, 200)

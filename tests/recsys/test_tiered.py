@@ -111,26 +111,30 @@ def test_tiered_digest_equals_untiered(world_size, sharding, optimizer):
         assert table["ssd"]["misses"] > 0 and table["host"]["hits"] > 0
 
 
-# Half-precision weights (sparse.weights_precision = fp16): FBGEMM's fp16 tables, 132-byte rows in the store.
+# Half-precision weights (sparse.weights_precision = fp16): float16 values on every tier, 132-byte rows in the
+# store; stochastic rounding (the default) or FBGEMM rounding to nearest.
 FP16_CASES = [
-    (1, "table_wise", "exact_rowwise_adagrad", "pipelined"),
-    (2, "row_wise", "exact_sgd", "sequential"),
-    pytest.param(2, "table_wise", "exact_adagrad", "pipelined", marks=pytest.mark.slow),
-    pytest.param(1, "row_wise", "exact_rowwise_adagrad", "sequential", marks=pytest.mark.slow),
+    (1, "table_wise", "exact_rowwise_adagrad", "pipelined", "stochastic"),
+    (2, "row_wise", "exact_sgd", "sequential", "stochastic"),
+    (1, "row_wise", "exact_adagrad", "sequential", "nearest"),
+    pytest.param(2, "table_wise", "exact_adagrad", "pipelined", "stochastic", marks=pytest.mark.slow),
+    pytest.param(2, "row_wise", "exact_rowwise_adagrad", "pipelined", "nearest", marks=pytest.mark.slow),
+    pytest.param(1, "row_wise", "exact_rowwise_adagrad", "sequential", "stochastic", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("world_size", "sharding", "optimizer", "mode"), FP16_CASES)
-def test_fp16_tiered_digest_equals_untiered(world_size, sharding, optimizer, mode):
+@pytest.mark.parametrize(("world_size", "sharding", "optimizer", "mode", "rounding"), FP16_CASES)
+def test_fp16_tiered_digest_equals_untiered(world_size, sharding, optimizer, mode, rounding):
     device_rows, host_rows = (80, 240) if sharding == "row_wise" and world_size > 1 else (120, 360)
     overrides = [f"sparse.sharding={sharding}", f"sparse.optimizer={optimizer}", f"pipeline.mode={mode}"]
     tiers = [f"store.device_rows={device_rows}", f"store.host_rows={host_rows}"]
-    half = run_ranks(
-        world_size=world_size, fn=_train, arg=[*overrides, *tiers, "sparse.weights_precision=fp16"]
-    )
-    for r in half:
+    half = [*overrides, *tiers, "sparse.weights_precision=fp16", f"sparse.fp16_rounding={rounding}"]
+    results = run_ranks(world_size=world_size, fn=_train, arg=half)
+    # stochastic rounding: float32 slot tables holding float16 values; nearest: FBGEMM's float16 tables
+    dtype = "torch.float32" if rounding == "stochastic" else "torch.float16"
+    for r in results:
         assert r["tiered"]["digest"] == r["untiered"]["digest"]
         assert r["tiered"]["auc"] == r["untiered"]["auc"] or math.isnan(r["tiered"]["auc"])
-        assert r["tiered"]["weight_dtype"] == r["untiered"]["weight_dtype"] == "torch.float16"
-    for table in half[0]["tiered"]["tiers"].values():
+        assert r["tiered"]["weight_dtype"] == r["untiered"]["weight_dtype"] == dtype
+    for table in results[0]["tiered"]["tiers"].values():
         assert table["device"]["evictions"] > 0 and table["ssd"]["misses"] > 0

@@ -46,7 +46,8 @@ RUNS: dict[str, dict[str, Any]] = {
     },
     # 2 ranks, table-wise, bags of 1 to 3 ids per feature (slow tests only).
     "multi_hot_2": {"train": {"nproc": 2}, "synthetic": {"multi_hot": 3}},
-    # 2 ranks, table-wise, half-precision weights (132-byte rows in the store, fp16 in FBGEMM and the bundle).
+    # 2 ranks, table-wise, half-precision weights (132-byte rows in the store, float16 values in float32 slot
+    # tables: stochastic rounding; F16 in the bundle).
     "fp16_2": {"train": {"nproc": 2}, "sparse": {"weights_precision": "fp16"}},
     # 1 rank, logistic regression (4-wide rows; slow tests only).
     "logistic_1": {"train": {"nproc": 1}, "model": {"name": "logistic"}, "synthetic": {"num_sparse": 12}},

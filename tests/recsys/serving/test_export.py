@@ -127,3 +127,19 @@ def test_checkpoint_every_zero_checkpoints_only_at_the_end(tmp_path, final):
         assert steps == []
         with pytest.raises(UserError, match="train.final_checkpoint = false"):
             export_bundle(tmp_path / "run", tmp_path / "b")
+
+
+def test_float32_weights_become_float16_only_when_exact():
+    """An fp16 table trained with stochastic rounding is checkpointed as float32 holding float16 values:
+    the bundle's F16 copy is exact, and a value that is not a float16 number is refused, never rounded."""
+    import numpy as np
+
+    from recsys.serving.export import _in_precision
+
+    halves = np.array([[0.5, -0.0009765625, 65504.0], [2.0**-24, 0.0, -3.0]], dtype=np.float32)
+    out = list(_in_precision(lambda: iter([halves]), np.float16, "table t_x")())
+    assert out[0].dtype == np.float16 and np.array_equal(out[0].astype(np.float32), halves)
+    off = halves.copy()
+    off[1, 2] = np.float32(1.0) + np.float32(2.0**-20)  # between two float16 numbers
+    with pytest.raises(UserError, match="table t_x holds values that are not float16 numbers"):
+        list(_in_precision(lambda: iter([off]), np.float16, "table t_x")())
