@@ -67,12 +67,18 @@ class TrainSpec:
         capacity_advice: the device slots a run needed, for the error of a device tier too small
             (:class:`~recsys.capacity_advice.SlotsAdvice`); ``recsys train`` passes the tuner's replay
             (:func:`recsys.capacity_replay.replay_advice`). None: the error gives the store's own figure.
+        fused_params: builds extra keyword arguments for FBGEMM's table-batched modules from the table
+            configs (None: none); e.g. ``preallocated_host_buffers`` to put an in-memory table's weights over
+            a memory-mapped file, as ``benchmarks/bench_alternatives.py``'s baseline does. Not a setting:
+            the model trained is the same only if the arguments change where weights live, not how they
+            train.
     """
 
     tables: Callable[..., TieredTables] = TieredTables
     feed: Callable[..., StagedPipeline] = tiered_feed
     progress: Callable[..., Any] = progress_bar
     capacity_advice: SlotsAdvice | None = None
+    fused_params: Callable[[list[EmbeddingBagConfig]], dict[str, Any]] | None = None
 
 
 @dataclass(kw_only=True)
@@ -206,7 +212,8 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         build_model(cfg.model, tables, num_dense=data.num_dense, device=env.device),
         windows=windows,
     )
-    dmp = shard_model(model, tables, sparse=cfg.sparse, device=env.device)
+    extra = None if spec.fused_params is None else spec.fused_params(tables)
+    dmp = shard_model(model, tables, sparse=cfg.sparse, device=env.device, fused_extra=extra)
     if windows > 1:
         enable_frozen_windows(dmp, windows, env.world_size)
     init_embedding_rows(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,10 @@ def shard_model(
     sparse: SparseConfig,
     device: torch.device,
     pg: dist.ProcessGroup | None = None,
+    fused_extra: dict[str, Any] | None = None,
 ) -> DistributedModelParallel:
-    """Shard ``model``'s tables over the process group with the fused optimizer of ``sparse``."""
+    """Shard ``model``'s tables over the process group with the fused optimizer of ``sparse``;
+    ``fused_extra``: more keyword arguments for FBGEMM's table-batched modules (``TrainSpec.fused_params``)."""
     pg = pg or dist.group.WORLD
     world_size = dist.get_world_size(pg)
     # FBGEMM's fp16 tables (sparse.fp16_rounding = nearest) round their updates to nearest even: its CUDA
@@ -82,6 +85,7 @@ def shard_model(
     }
     if sparse.optimizer is not OptimizerKind.EXACT_SGD:
         fused_params["eps"] = sparse.eps
+    fused_params.update(fused_extra or {})
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
     path = ebc_path(model)
     if sparse.sharding is ShardingKind.ROW_WISE:

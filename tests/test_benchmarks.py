@@ -23,6 +23,18 @@ BENCHMARKS = ROOT / "benchmarks"
 # program -> (the flag naming its scratch folder, or None; headline keys of its last line, dotted for nesting)
 CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "bench_admission.py": ("--out", ("synthetic.1.rows", "synthetic.2.rows_ratio", "synthetic.2.auc_delta")),
+    "bench_alternatives.py": (
+        "--dir",
+        (
+            "fits_ram_vs_torchrec",
+            "over_ram_vs_mmap_last_tenth",
+            "over_ram_auc_vs_mmap",
+            "over_ram_auc_vs_hashed_ram",
+            "over_ram_disk_bytes_vs_mmap",
+            "over_ram.mmap.major_faults",
+            "over_ram.tierrec.disk_busy_fraction",
+        ),
+    ),
     "bench_bounded.py": (
         "--dir",
         (
