@@ -16,6 +16,7 @@ shared lock and a resize an exclusive one.
 
 from __future__ import annotations
 
+import abc
 import errno
 import os
 import threading
@@ -147,7 +148,7 @@ def open_env(path: Path, options: LmdbOptions, tables: int) -> OpenEnv:
     return OpenEnv(path=path, env=env, layout=layout, meta=meta)
 
 
-class LmdbRows:
+class LmdbRows(abc.ABC):
     """The base of the LMDB layouts' backends: the environment of a store and its commits.
 
     Args:
@@ -183,11 +184,12 @@ class LmdbRows:
             raise
 
     def _geometry(self, spec: TableSpec) -> tuple[int, int]:
-        """(block rows, segment rows) of a new table (the log layout's)."""
-        raise NotImplementedError
+        """(block rows, segment rows) of a new table: only the log layout has them (asked only of it)."""
+        raise TypeError(f"{type(self).__name__} has no log geometry (table {spec.name!r})")
 
+    @abc.abstractmethod
     def _open_tables(self, tables: Sequence[TableSpec]) -> None:
-        raise NotImplementedError
+        """Open (or create) the layout's structures of ``tables`` in the environment."""
 
     def _record_meta(self, opened: OpenEnv, seed: int, tables: Sequence[TableSpec]) -> meta_.Meta:
         """Check (or record) the metadata; a format-1 record is upgraded in place (only the metadata)."""

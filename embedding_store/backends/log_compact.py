@@ -16,6 +16,7 @@ only in the oldest segment, so every compaction frees records and compaction end
 
 from __future__ import annotations
 
+import abc
 import threading
 import time
 from typing import Any
@@ -36,7 +37,7 @@ COPY_ROWS = 1 << 16
 CAPPED_COMPACT_AT = 0.2
 
 
-class LogCompaction:
+class LogCompaction(abc.ABC):
     """Compaction of the tables of a :class:`~embedding_store.backends.log_tables.LogTables`."""
 
     _env: Any
@@ -48,14 +49,17 @@ class LogCompaction:
     stats: LogStats
 
     # Provided by LogTables.
+    @abc.abstractmethod
     def _append(self, staged: list[Any], tombs: Any = ()) -> None:
-        raise NotImplementedError
+        """Append staged rows (and tombstones) to the log in one transaction."""
 
+    @abc.abstractmethod
     def _read_span(self, t: Table, seg: int, ordered: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """The rows of ``ordered`` positions of segment ``seg`` of table ``t``."""
 
+    @abc.abstractmethod
     def _read_ahead(self, t: Table, seg: int) -> None:
-        raise NotImplementedError
+        """Hint the kernel to read segment ``seg`` of table ``t`` ahead."""
 
     def _reclaimable(self, t: Table, seg: int, oldest: int) -> int:
         alive = t.alive
