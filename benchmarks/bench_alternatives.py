@@ -22,8 +22,9 @@ a child process of its own, one after the other, its files deleted when measured
   table: the same bytes as tierrec's two upper tiers (260-byte rows both), hash collisions accepted;
 - ``mmap``: ``store.tiered = false`` with ``--mmap-rows`` rows per table (ids folded into them), FBGEMM's
   weights over one file-backed shared mapping (``torch.from_file``, FBGEMM's ``preallocated_host_buffers``)
-  with ``madvise(MADV_RANDOM)``; the page cache is its cache and the kernel's dirty-page write-back its
-  write path, at the machine's ``vm.dirty_*`` settings (reported). Differs from tierrec in: the row-wise
+  with ``madvise(MADV_RANDOM)`` for training (``MADV_SEQUENTIAL`` while the rows are initialised); the
+  page cache is its cache and the kernel's dirty-page write-back its write path, at the machine's
+  ``vm.dirty_*`` settings (reported). Differs from tierrec in: the row-wise
   Adagrad state stays in RAM (4 bytes a row), and TorchRec's and our initialisation write every row of the
   file before training (``init_s``, ``init_disk_bytes``; not counted in the fit).
 
@@ -69,7 +70,7 @@ from recsys.distributed import free_port, init_distributed
 from recsys.trainer import Trainer
 
 OVER_RAM_ARMS = ("tierrec", "tierrec_fp16", "tierrec_admit2", "hashed_ram", "mmap")
-MADV_RANDOM = 1
+MADV_RANDOM, MADV_SEQUENTIAL = 1, 2
 
 
 def say(text: str) -> None:
@@ -104,11 +105,16 @@ class MappedWeights:
         total = sum(t.num_embeddings * t.embedding_dim for t in tables)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.weights = torch.from_file(str(self.path), shared=True, size=total, dtype=torch.float32)
+        self.advise(MADV_SEQUENTIAL)  # the initialisation writes every row in order: read ahead for it
+        return {"preallocated_host_buffers": _Buffers(weights=self.weights)}
+
+    def advise(self, advice: int) -> None:
+        """``madvise`` the whole mapping (MADV_RANDOM for training: no read-ahead around a fault)."""
+        assert self.weights is not None
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.madvise(self.weights.data_ptr(), total * 4, MADV_RANDOM) != 0:
-            raise OSError(ctypes.get_errno(), "madvise(MADV_RANDOM) failed")
-        return {"preallocated_host_buffers": _Buffers(weights=self.weights)}
+        if libc.madvise(self.weights.data_ptr(), self.weights.numel() * 4, advice) != 0:
+            raise OSError(ctypes.get_errno(), f"madvise({advice}) failed")
 
     def msync(self) -> None:
         """Write the mapping's dirty pages to the file and wait for them (the model made durable)."""
@@ -213,6 +219,8 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
         cfg, env, out_dir=out / "run", spec=TrainSpec(progress=SilentProgress, fused_params=mapped)
     )
     trainer.start(resume=False)
+    if mapped is not None:
+        mapped.advise(MADV_RANDOM)
     os.sync()  # the initial rows on the disk before the fit is measured
     init = {"init_s": time.perf_counter() - t0, "init_disk_bytes": disk0.delta().get("dev_write_bytes")}
     disk, queue = DiskIo(out), DiskQueue(out)
