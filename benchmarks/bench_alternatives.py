@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 from bench_scale import stream_overrides
-from harness import RssPeak, emit, machine_info, paired_ratios, quiet, run_child, status_kib
+from harness import RssPeak, alternate, emit, machine_info, paired_ratios, quiet, run_child, status_kib
 from ssd_tier.disk import DiskIo
 from tiered_training.runs import SilentProgress, Windows, train_once
 
@@ -72,7 +72,9 @@ from recsys.distributed import free_port, init_distributed
 from recsys.trainer import Trainer
 
 OVER_RAM_ARMS = ("tierrec", "tierrec_fp16", "tierrec_admit2", "hashed_ram", "mmap")
-MADV_RANDOM, MADV_SEQUENTIAL = 1, 2
+MADV_RANDOM, MADV_SEQUENTIAL, MS_SYNC = 1, 2, 4
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = _LIBC.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def say(text: str) -> None:
@@ -113,17 +115,13 @@ class MappedWeights:
     def advise(self, advice: int) -> None:
         """``madvise`` the whole mapping (MADV_RANDOM for training: no read-ahead around a fault)."""
         assert self.weights is not None
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.madvise(self.weights.data_ptr(), self.weights.numel() * 4, advice) != 0:
+        if _LIBC.madvise(self.weights.data_ptr(), self.weights.numel() * 4, advice) != 0:
             raise OSError(ctypes.get_errno(), f"madvise({advice}) failed")
 
     def msync(self) -> None:
         """Write the mapping's dirty pages to the file and wait for them (the model made durable)."""
         assert self.weights is not None
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.msync(self.weights.data_ptr(), self.weights.numel() * 4, 4) != 0:  # MS_SYNC
+        if _LIBC.msync(self.weights.data_ptr(), self.weights.numel() * 4, MS_SYNC) != 0:
             raise OSError(ctypes.get_errno(), "msync failed")
 
 
@@ -145,32 +143,6 @@ def meminfo_kib(*fields: str) -> dict[str, int]:
         if key in out:
             out[key] = int(line.split()[1])
     return out
-
-
-class DiskQueue:
-    """The store's device's busy time and queue (``/sys/block/<dev>/stat``: io_ticks, time in queue)."""
-
-    def __init__(self, path: Path) -> None:
-        dev = os.stat(path).st_dev
-        stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
-        self.stat = stat if stat.exists() else None
-        self.start, self.t0 = self._read(), time.perf_counter()
-
-    def _read(self) -> tuple[int, int]:
-        if self.stat is None:
-            return 0, 0
-        f = [int(x) for x in self.stat.read_text().split()]
-        return f[9], f[10]  # ms busy, ms weighted by the requests in flight
-
-    def delta(self) -> dict[str, float | None]:
-        if self.stat is None:
-            return {"disk_busy_fraction": None, "disk_mean_queue": None}
-        busy, queue = self._read()
-        wall_ms = 1e3 * (time.perf_counter() - self.t0)
-        return {
-            "disk_busy_fraction": (busy - self.start[0]) / wall_ms,
-            "disk_mean_queue": (queue - self.start[1]) / wall_ms,
-        }
 
 
 # -- one arm, in a child process ------------------------------------------------------------------------
@@ -225,7 +197,7 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
         mapped.advise(MADV_RANDOM)
     os.sync()  # the initial rows on the disk before the fit is measured
     init = {"init_s": time.perf_counter() - t0, "init_disk_bytes": disk0.delta().get("dev_write_bytes")}
-    disk, queue = DiskIo(out), DiskQueue(out)
+    disk = DiskIo(out)
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     windows = Windows(0, out / "run" / "metrics.jsonl")
     start = time.perf_counter()
@@ -241,7 +213,8 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
         os.sync()
         durable_s = time.perf_counter() - durable
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    io, busy = disk.delta(), queue.delta()
+    io = disk.delta()
+    wall_ms = 1e3 * (fit_s + durable_s)
     cache = meminfo_kib("MemTotal", "Cached", "Dirty")
     trainer.close()  # the tiered arms' rows are flushed already
     rates = [r["samples_per_s"] for r in windows.rows]
@@ -262,7 +235,8 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
         "proc_write_bytes": io["write_bytes"],
         "disk_read_bytes": io.get("dev_read_bytes"),
         "durable_s": durable_s,
-        **busy,
+        "disk_busy_fraction": io["dev_busy_ms"] / wall_ms if "dev_busy_ms" in io else None,
+        "disk_mean_queue": io["dev_queue_ms"] / wall_ms if "dev_queue_ms" in io else None,
         "major_faults": usage.ru_majflt - usage0.ru_majflt,
         "cpu_s_per_1k_samples": 1e3 * cpu_s / samples,
         "cores_used": cpu_s / (fit_s + durable_s),
@@ -302,21 +276,21 @@ def fits_ram(args: argparse.Namespace) -> dict[str, Any]:
         "tierrec": [*common, "store.tiered=true", f"store.device_rows={space}", f"store.host_rows={space}"],
     }
     env = distributed()
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
-    for repeat in range(args.fit_repeats):
-        for name in variants if repeat % 2 == 0 else reversed(list(variants)):
-            out = root / f"{name}_{repeat}"
-            result = train_once(env, variants[name], out_dir=out, warmup_steps=args.fit_warmup)
-            shutil.rmtree(out, ignore_errors=True)
-            per_1k = result["cpu_ms_per_step"] / args.batch  # ms per sample = s per 1,000
-            record = {
-                "samples_per_s": result["samples_per_s"],
-                "cpu_s_per_1k_samples": per_1k,
-                "cores_used": result["cores_used"],
-                "device_hit_rate": result["device_hit_rate"],
-            }
-            emit({"part": "fits_ram", "arm": name, "repeat": repeat, **record})
-            runs[name].append(record)
+
+    def run(name: str, repeat: int) -> dict[str, Any]:
+        out = root / f"{name}_{repeat}"
+        result = train_once(env, variants[name], out_dir=out, warmup_steps=args.fit_warmup)
+        shutil.rmtree(out, ignore_errors=True)
+        record = {
+            "samples_per_s": result["samples_per_s"],
+            "cpu_s_per_1k_samples": result["cpu_ms_per_step"] / args.batch,  # ms per sample = s per 1,000
+            "cores_used": result["cores_used"],
+            "device_hit_rate": result["device_hit_rate"],
+        }
+        emit({"part": "fits_ram", "arm": name, "repeat": repeat, **record})
+        return record
+
+    runs = alternate(list(variants), args.fit_repeats, run)
     shutil.rmtree(root, ignore_errors=True)
     ratio = paired_ratios(
         [r["samples_per_s"] for r in runs["tierrec"]], [r["samples_per_s"] for r in runs["torchrec"]]

@@ -288,7 +288,7 @@ class TieredStore:
 
         Does not take the store lock: a pinned slot's id cannot change until the batch is released.
         """
-        return self._tables[table]._bound().ids[slots]
+        return self._table(table)._bound().ids[slots]
 
     def evict(self, table: str, ids: IdsLike | None = None) -> int:
         """Write rows back from the device tier (to the host tier, whose dirty victims go to the

@@ -80,7 +80,8 @@ class StepRounding:
             )
             for s in local_shards(dmp, tables)
         }
-        self._modules: list[tuple[SplitTableBatchedEmbeddingBagsCodegen, list[_Table]]] = []
+        # per FBGEMM module (by id): its tables' targets and each feature's table index
+        self._targets: dict[int, tuple[list[_Table], list[int]]] = {}
         for module in _fbgemm_modules(dmp):
             targets = []
             for weight in module.split_embedding_weights():
@@ -90,10 +91,9 @@ class StepRounding:
                         "stochastic rounding needs float32 FBGEMM tables it can match to shards"
                     )
                 targets.append(target)
-            self._modules.append((module, targets))
+            self._targets[id(module)] = (targets, list(module.feature_table_map))
             module.register_forward_pre_hook(self._record, with_kwargs=True)
         self._read: list[tuple[list[_Table], list[int], torch.Tensor, torch.Tensor]] = []
-        self._targets = {id(m): (t, list(m.feature_table_map)) for m, t in self._modules}
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook: keep a training forward's indices and offsets (evaluation updates nothing)."""

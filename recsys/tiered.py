@@ -71,17 +71,17 @@ TRAIN, EVAL = "train", "eval"
 def row_bytes(sparse: SparseConfig, dim: int) -> int:
     """Bytes of one row of a tiered table: ``dim`` weights of ``sparse.weights_precision`` plus the
     optimizer's per-row float32 state (``TableSpec.row_bytes``)."""
-    spec = TableSpec(
-        name="t", dim=dim, optimizer=sparse.optimizer, weights_precision=sparse.weights_precision
-    )
-    return spec.row_bytes
+    return _packed_bytes(sparse, dim, sparse.weights_precision)
 
 
 def slot_row_bytes(sparse: SparseConfig, dim: int) -> int:
     """Bytes of one slot of a tiered table's device tier: as :func:`row_bytes`, but with float32 weights
     unless FBGEMM's tables are float16 (``fp16`` rounded to nearest): stochastic rounding trains float32
     slot tables that hold float16 values."""
-    precision = WeightsPrecision.FP16 if sparse.fp16_tables else WeightsPrecision.FP32
+    return _packed_bytes(sparse, dim, WeightsPrecision.FP16 if sparse.fp16_tables else WeightsPrecision.FP32)
+
+
+def _packed_bytes(sparse: SparseConfig, dim: int, precision: WeightsPrecision) -> int:
     return TableSpec(name="t", dim=dim, optimizer=sparse.optimizer, weights_precision=precision).row_bytes
 
 

@@ -21,7 +21,9 @@ def _device_stat(path: Path) -> Path | None:
 
 
 class DiskIo:
-    """This process's and the store's device's I/O counters since construction."""
+    """This process's and the store's device's I/O counters since construction (the device's: ios and bytes
+    read, bytes written, and ``dev_busy_ms`` / ``dev_queue_ms``, its busy time and its time weighted by the
+    requests in flight)."""
 
     def __init__(self, path: Path) -> None:
         self._dev = _device_stat(path)
@@ -33,11 +35,13 @@ class DiskIo:
         if self._dev is not None:
             f = [int(x) for x in self._dev.read_text().split()]
             out.update(dev_read_ios=f[0], dev_read_bytes=512 * f[2], dev_write_bytes=512 * f[6])
+            out.update(dev_busy_ms=f[9], dev_queue_ms=f[10])
         return out
 
     def delta(self) -> dict[str, int]:
         end = self._read()
         keys = ("read_bytes", "write_bytes", "wchar", "dev_read_ios", "dev_read_bytes", "dev_write_bytes")
+        keys += ("dev_busy_ms", "dev_queue_ms")
         return {k: end[k] - self._start[k] for k in keys if k in end}
 
 
