@@ -62,7 +62,17 @@ from typing import Any
 import numpy as np
 import torch
 from bench_scale import stream_overrides
-from harness import RssPeak, alternate, emit, machine_info, paired_ratios, quiet, run_child, status_kib
+from harness import (
+    Periodic,
+    RssPeak,
+    alternate,
+    emit,
+    machine_info,
+    paired_ratios,
+    quiet,
+    run_child,
+    status_kib,
+)
 from ssd_tier.disk import DiskIo
 from tiered_training.runs import SilentProgress, Windows, train_once
 
@@ -123,6 +133,64 @@ class MappedWeights:
         assert self.weights is not None
         if _LIBC.msync(self.weights.data_ptr(), self.weights.numel() * 4, MS_SYNC) != 0:
             raise OSError(ctypes.get_errno(), "msync failed")
+
+
+class Timeline(Periodic):
+    """Major faults, CPU seconds and the disk's counters every ``interval_s`` over the block, so that the
+    last tenth of the fit (by wall time) has its own rates: whether the table still faults and reads then."""
+
+    def __init__(self, disk_path: Path, interval_s: float = 1.0) -> None:
+        self._disk = DiskIo(disk_path)
+        self.t0 = time.perf_counter()
+        self.points: list[dict[str, float]] = []
+        super().__init__(self._sample, interval_s, name="bench-timeline")
+
+    def _sample(self) -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        io = self._disk.delta()
+        self.points.append(
+            {
+                "t": time.perf_counter() - self.t0,
+                "major_faults": usage.ru_majflt,
+                "cpu_s": usage.ru_utime + usage.ru_stime,
+                **{
+                    k: io.get(k, 0)
+                    for k in ("dev_read_bytes", "dev_write_bytes", "dev_busy_ms", "dev_queue_ms")
+                },
+            }
+        )
+
+    def rates(self, start_s: float, end_s: float) -> dict[str, float]:
+        """Rates between the samples nearest ``start_s`` and ``end_s`` (seconds since the block began)."""
+        if len(self.points) < 2:
+            return {}
+        a = min(self.points, key=lambda p: abs(p["t"] - start_s))
+        b = min(self.points, key=lambda p: abs(p["t"] - end_s))
+        span = b["t"] - a["t"]
+        if span <= 0:
+            return {}
+        d = {k: b[k] - a[k] for k in a}
+        return {
+            "major_faults_per_s": d["major_faults"] / span,
+            "cores_used": d["cpu_s"] / span,
+            "disk_read_mb_per_s": d["dev_read_bytes"] / span / 1e6,
+            "disk_write_mb_per_s": d["dev_write_bytes"] / span / 1e6,
+            "disk_busy_fraction": d["dev_busy_ms"] / (1e3 * span),
+            "disk_mean_queue": d["dev_queue_ms"] / (1e3 * span),
+        }
+
+
+class StampedWindows(Windows):
+    """:class:`Windows` that also keeps when each train record arrived (``perf_counter`` seconds)."""
+
+    def __init__(self, start_step: int, path: Path) -> None:
+        super().__init__(start_step, path)
+        self.stamps: list[float] = []
+
+    def write(self, **record: Any) -> None:
+        super().write(**record)
+        if record.get("kind") == "train":
+            self.stamps.append(time.perf_counter())
 
 
 def vm_dirty_settings() -> dict[str, int]:
@@ -199,9 +267,9 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
     init = {"init_s": time.perf_counter() - t0, "init_disk_bytes": disk0.delta().get("dev_write_bytes")}
     disk = DiskIo(out)
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
-    windows = Windows(0, out / "run" / "metrics.jsonl")
-    start = time.perf_counter()
-    with RssPeak(interval_s=0.2) as rss:
+    windows = StampedWindows(0, out / "run" / "metrics.jsonl")
+    with RssPeak(interval_s=0.2) as rss, Timeline(out) as timeline:
+        start = time.perf_counter()
         summary = trainer.fit(windows)
         fit_s = time.perf_counter() - start
         durable = time.perf_counter()
@@ -240,6 +308,12 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
         "major_faults": usage.ru_majflt - usage0.ru_majflt,
         "cpu_s_per_1k_samples": 1e3 * cpu_s / samples,
         "cores_used": cpu_s / (fit_s + durable_s),
+        # the last tenth of the training windows (the held-out evaluation after them left out)
+        "last_tenth": timeline.rates(
+            windows.stamps[-tenth - 1] - timeline.t0, windows.stamps[-1] - timeline.t0
+        )
+        if len(windows.stamps) > tenth
+        else {},
         "peak_rss_gib": status_kib("VmHWM")["VmHWM"] / 2**20,
         "peak_rss_sampled_gib": {k: v / 2**20 for k, v in rss.peak.items()},
         **init,
@@ -367,7 +441,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tables", type=int, default=8)
     parser.add_argument("--host-rows", type=int, default=1_000_000, help="tierrec's host rows per table")
     parser.add_argument("--device-rows", type=int, default=262_144, help="tierrec's device slots per table")
-    parser.add_argument("--mmap-rows", type=int, default=1 << 24, help="rows per table of the mapped file")
+    parser.add_argument(
+        "--mmap-rows",
+        type=int,
+        default=12_500_000,
+        help="rows per table of the mapped file (8 x 256 B: 23.8 GiB)",
+    )
     parser.add_argument("--eval-samples", type=int, default=1 << 20)
     parser.add_argument("--fit-ids", type=int, default=200_000, help="fits RAM: ids per table")
     parser.add_argument("--fit-steps", type=int, default=100)
