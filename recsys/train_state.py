@@ -29,7 +29,7 @@ class TrainState:
         step: the steps trained (checkpointed as the checkpoint's ``step``); the next batch of the data.
         saved_step: the step of the last checkpoint this process wrote (-1: none).
         held_out: rows and positives of the held-out split, counted by the first evaluation (checkpointed).
-        pipeline_stats: the nested tiered pipeline's statistics after the last fit (``summary.json``).
+        pipeline_stats: the pipeline's statistics after the last fit (``summary.json``; in memory: loading only).
     """
 
     selection: BestTracker

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipelines import StagedPipeline
+from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline
 from recsys.build import ModelParts, TrainSpec, build_parts, fold_source
 from recsys.checkpoint import (
     Checkpoint,
@@ -131,14 +131,15 @@ class Trainer:
 
     @property
     def pipeline_stats(self) -> dict[str, Any]:
-        """The nested tiered pipeline's statistics after the last fit (``state.pipeline_stats``)."""
+        """The pipeline's statistics after the last fit (``state.pipeline_stats``)."""
         return self.state.pipeline_stats
 
     # -- data -------------------------------------------------------------------------------------
 
     def feed(self, start: int, stop: int) -> tuple[Iterator[Batch], StagedPipeline | None]:
-        """The batches of steps [start, stop) that TorchRec's pipeline consumes: as read, or through the
-        nested tiered pipeline (returned too, for its statistics)."""
+        """The batches of steps [start, stop) that TorchRec's pipeline consumes, and the pipeline that
+        yields them (for its statistics): the load stage alone in memory, the nested tiered pipeline
+        when tiered."""
         batches = self.data.train_batches(
             rank=self.env.rank,
             world_size=self.env.world_size,
@@ -146,11 +147,21 @@ class Trainer:
             start_step=start,
         )
         source = fold_source(batches, self.fold, start, stop)
-        if self.tiered is None and self.bounded is not None:
-            bounded = self.bounded
-            return (bounded.remap(step, batch) for step, batch in source), None
         if self.tiered is None:
-            return (batch for _, batch in source), None
+            # In memory: only the load stage, on the pipeline's source worker in pipelined mode, so that
+            # reading and folding batch i+1 overlaps batch i's compute as in tiered runs. A bounded
+            # table's remap (which resets the rows of new ids) stays on this thread, in step order.
+            section = self.config.pipeline
+            config = PipelineConfig(
+                mode=section.mode, source_name=Stage.LOAD, trace_batches=section.trace_batches
+            )
+            loads = StagedPipeline(
+                source, [], config=config, device=DeviceContext(self.env.device), rank=self.env.rank
+            )
+            bounded = self.bounded
+            if bounded is not None:
+                return (bounded.remap(step, batch) for step, batch in loads), loads
+            return (batch for _, batch in loads), loads
         feed = self.spec.feed(
             self.tiered,
             source,

@@ -265,3 +265,51 @@ def test_a_trainer_whose_parts_fail_to_assemble_releases_the_store_shard_its_tie
     message, free = run_ranks(world_size=1, fn=_assemble_failing, arg=None)[0]
     assert message == "the tier binding's names cannot be listed"
     assert free
+
+
+# -- tables in memory: loading overlaps compute ---------------------------------------------------------
+
+
+def _in_memory(rank: int, world_size: int, overrides: list[str]) -> dict:
+    """The threads that read each batch, the digest and the load stage's count, in each pipeline mode."""
+    import threading
+
+    from recsys.distributed import init_distributed
+    from recsys.metrics import MetricsLog
+    from recsys.trainer import Trainer
+    from tests.recsys.test_tiered import BASE as TIERED_BASE
+
+    env = init_distributed(threads_per_rank=1)
+    out = {}
+    for mode in ("pipelined", "sequential"):
+        cfg = config_from_dict({}, [*TIERED_BASE, *overrides, "train.steps=40", f"pipeline.mode={mode}"])
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = Trainer(cfg, env, out_dir=Path(tmp))
+            trainer.start(resume=False)
+            read = trainer.data.train_batches
+            threads: list[str] = []
+
+            def recorded(*args, _read=read, _threads=threads, **kwargs):
+                for batch in _read(*args, **kwargs):
+                    _threads.append(threading.current_thread().name)
+                    yield batch
+
+            trainer.data.train_batches = recorded
+            trainer.fit(MetricsLog(Path(tmp) / "m.jsonl", enabled=False))
+            stats = trainer.pipeline_stats
+            out[mode] = {
+                "threads": sorted(set(threads)),
+                "digest": trainer.digest(),
+                "loaded": stats["stages"]["load"]["items"],
+            }
+            trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("bounds", [[], ["store.bounds={admit_after=2, expire_after_steps=10}"]])
+def test_in_memory_batches_are_read_on_a_worker_and_train_the_sequential_model(bounds):
+    [result] = run_ranks(world_size=1, fn=_in_memory, arg=["store.tiered=false", *bounds])
+    assert result["pipelined"]["threads"] and "MainThread" not in result["pipelined"]["threads"]
+    assert result["sequential"]["threads"] == ["MainThread"]
+    assert result["pipelined"]["digest"] == result["sequential"]["digest"]
+    assert result["pipelined"]["loaded"] == result["sequential"]["loaded"] == 40
