@@ -8,11 +8,12 @@ samples. Only where the table's rows live differs.
 
 **fits RAM** (``--fit-ids`` ids per table, so every row fits in memory; ``--fit-repeats`` pairs run
 alternately in this process): TorchRec in memory (``store.tiered = false`` and ``sparse.max_rows_per_table``
-= the id space: no id is folded) against tierrec whose device tier holds every row. Reports the steady
-samples/s of each pair (the windows after ``--fit-warmup`` steps: by then the Zipf stream has touched
-most of its ids, whose first touch creates their row through the tiers; with 1 M ids a table and 60 steps
-it had not, and the device hit rate was 0.71 instead of 0.89) and ``fits_ram_vs_torchrec``, the median
-ratio with its quartiles, and each arm's CPU ms per 1,000 samples.
+= the id space: no id is folded; batches read on the pipeline's load worker, as a DataLoader would) against
+tierrec whose device tier holds every row. Reports the steady samples/s of each pair (the windows after
+``--fit-warmup`` steps: by then the Zipf stream has touched most of its ids, whose first touch creates
+their row through the tiers; with 1 M ids a table and 60 steps it had not, and the device hit rate was
+0.71 instead of 0.89) and ``fits_ram_vs_torchrec``, the median ratio with its quartiles, and each arm's
+CPU ms per 1,000 samples.
 
 **larger than RAM** (``--steps`` of ``--batch``: bench_scale's ~100 M distinct ids at the defaults; each arm
 a child process of its own, one after the other, its files deleted when measured):
@@ -22,7 +23,8 @@ a child process of its own, one after the other, its files deleted when measured
   ``[store.bounds] admit_after = 2``;
 - ``hashed_ram``: ``store.tiered = false``, ids folded modulo ``--host-rows`` + ``--device-rows`` rows per
   table: the same bytes as tierrec's two upper tiers (260-byte rows both), hash collisions accepted;
-- ``mmap``: ``store.tiered = false`` with ``--mmap-rows`` rows per table (ids folded into them), FBGEMM's
+- ``mmap``: ``store.tiered = false`` with ``--mmap-rows`` rows per table (ids folded into them; the default
+  makes a 23.8 GiB file of 100 M rows, just over a 23.5 GiB machine's memory), FBGEMM's
   weights over one file-backed shared mapping (``torch.from_file``, FBGEMM's ``preallocated_host_buffers``)
   with ``madvise(MADV_RANDOM)`` for training (``MADV_SEQUENTIAL`` while the rows are initialised); the
   page cache is its cache and the kernel's dirty-page write-back its write path, at the machine's
@@ -30,7 +32,9 @@ a child process of its own, one after the other, its files deleted when measured
   Adagrad state stays in RAM (4 bytes a row), and TorchRec's and our initialisation write every row of the
   file before training (``init_s``, ``init_disk_bytes``; not counted in the fit).
 
-Per arm: samples/s over the fit and its first and last tenth (log windows), bytes written to the disk
+Per arm: samples/s over the fit and its first and last tenth (log windows; ``last_tenth`` holds the major
+faults/s, disk read and write MB/s, busy fraction, queue and cores used over those windows, from a 1 s
+timeline: whether the table still outgrows the page cache at the end), bytes written to the disk
 during the fit plus what makes its model durable at the end (the store's flush; the mapping's ``msync``):
 ``disk_bytes`` (the device's sectors, which count other processes too) and ``proc_write_bytes``
 (``/proc/self/io``, charged to the process that dirtied the page); the disk's busy fraction and mean queue
@@ -63,7 +67,6 @@ import numpy as np
 import torch
 from bench_scale import stream_overrides
 from harness import (
-    Periodic,
     RssPeak,
     alternate,
     emit,
@@ -73,8 +76,8 @@ from harness import (
     run_child,
     status_kib,
 )
-from ssd_tier.disk import DiskIo
-from tiered_training.runs import SilentProgress, Windows, train_once
+from ssd_tier.disk import DiskIo, DiskTimeline
+from tiered_training.runs import SilentProgress, StampedWindows, train_once
 
 from recsys.build import TrainSpec
 from recsys.config import config_from_dict
@@ -133,64 +136,6 @@ class MappedWeights:
         assert self.weights is not None
         if _LIBC.msync(self.weights.data_ptr(), self.weights.numel() * 4, MS_SYNC) != 0:
             raise OSError(ctypes.get_errno(), "msync failed")
-
-
-class Timeline(Periodic):
-    """Major faults, CPU seconds and the disk's counters every ``interval_s`` over the block, so that the
-    last tenth of the fit (by wall time) has its own rates: whether the table still faults and reads then."""
-
-    def __init__(self, disk_path: Path, interval_s: float = 1.0) -> None:
-        self._disk = DiskIo(disk_path)
-        self.t0 = time.perf_counter()
-        self.points: list[dict[str, float]] = []
-        super().__init__(self._sample, interval_s, name="bench-timeline")
-
-    def _sample(self) -> None:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        io = self._disk.delta()
-        self.points.append(
-            {
-                "t": time.perf_counter() - self.t0,
-                "major_faults": usage.ru_majflt,
-                "cpu_s": usage.ru_utime + usage.ru_stime,
-                **{
-                    k: io.get(k, 0)
-                    for k in ("dev_read_bytes", "dev_write_bytes", "dev_busy_ms", "dev_queue_ms")
-                },
-            }
-        )
-
-    def rates(self, start_s: float, end_s: float) -> dict[str, float]:
-        """Rates between the samples nearest ``start_s`` and ``end_s`` (seconds since the block began)."""
-        if len(self.points) < 2:
-            return {}
-        a = min(self.points, key=lambda p: abs(p["t"] - start_s))
-        b = min(self.points, key=lambda p: abs(p["t"] - end_s))
-        span = b["t"] - a["t"]
-        if span <= 0:
-            return {}
-        d = {k: b[k] - a[k] for k in a}
-        return {
-            "major_faults_per_s": d["major_faults"] / span,
-            "cores_used": d["cpu_s"] / span,
-            "disk_read_mb_per_s": d["dev_read_bytes"] / span / 1e6,
-            "disk_write_mb_per_s": d["dev_write_bytes"] / span / 1e6,
-            "disk_busy_fraction": d["dev_busy_ms"] / (1e3 * span),
-            "disk_mean_queue": d["dev_queue_ms"] / (1e3 * span),
-        }
-
-
-class StampedWindows(Windows):
-    """:class:`Windows` that also keeps when each train record arrived (``perf_counter`` seconds)."""
-
-    def __init__(self, start_step: int, path: Path) -> None:
-        super().__init__(start_step, path)
-        self.stamps: list[float] = []
-
-    def write(self, **record: Any) -> None:
-        super().write(**record)
-        if record.get("kind") == "train":
-            self.stamps.append(time.perf_counter())
 
 
 def vm_dirty_settings() -> dict[str, int]:
@@ -268,7 +213,7 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
     disk = DiskIo(out)
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     windows = StampedWindows(0, out / "run" / "metrics.jsonl")
-    with RssPeak(interval_s=0.2) as rss, Timeline(out) as timeline:
+    with RssPeak(interval_s=0.2) as rss, DiskTimeline(out) as timeline:
         start = time.perf_counter()
         summary = trainer.fit(windows)
         fit_s = time.perf_counter() - start

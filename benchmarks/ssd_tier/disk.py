@@ -1,13 +1,16 @@
-"""The disk side of the SSD-tier benchmarks: this process's and the device's I/O counters, write
-amplification, dropping a store's file from the page cache, and store-like random 8-byte keys."""
+"""The disk side of the SSD-tier benchmarks: this process's and the device's I/O counters (and their
+rates over any span of a block), write amplification, dropping a store's file from the page cache, and store-like random 8-byte keys."""
 
 from __future__ import annotations
 
 import math
 import os
+import resource
+import time
 from pathlib import Path
 
 import numpy as np
+from harness import Periodic
 
 from embedding_store.hashing import mix64
 
@@ -43,6 +46,51 @@ class DiskIo:
         keys = ("read_bytes", "write_bytes", "wchar", "dev_read_ios", "dev_read_bytes", "dev_write_bytes")
         keys += ("dev_busy_ms", "dev_queue_ms")
         return {k: end[k] - self._start[k] for k in keys if k in end}
+
+
+class DiskTimeline(Periodic):
+    """Major faults, CPU seconds and the disk's counters every ``interval_s`` over the block, so that the
+    last tenth of the fit (by wall time) has its own rates: whether the table still faults and reads then."""
+
+    def __init__(self, disk_path: Path, interval_s: float = 1.0) -> None:
+        self._disk = DiskIo(disk_path)
+        self.t0 = time.perf_counter()
+        self.points: list[dict[str, float]] = []
+        super().__init__(self._sample, interval_s, name="bench-timeline")
+
+    def _sample(self) -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        io = self._disk.delta()
+        self.points.append(
+            {
+                "t": time.perf_counter() - self.t0,
+                "major_faults": usage.ru_majflt,
+                "cpu_s": usage.ru_utime + usage.ru_stime,
+                **{
+                    k: io.get(k, 0)
+                    for k in ("dev_read_bytes", "dev_write_bytes", "dev_busy_ms", "dev_queue_ms")
+                },
+            }
+        )
+
+    def rates(self, start_s: float, end_s: float) -> dict[str, float]:
+        """Rates between the samples nearest ``start_s`` and ``end_s`` (seconds since the block began)."""
+        if len(self.points) < 2:
+            return {}
+        a = min(self.points, key=lambda p: abs(p["t"] - start_s))
+        b = min(self.points, key=lambda p: abs(p["t"] - end_s))
+        span = b["t"] - a["t"]
+        if span <= 0:
+            return {}
+        d = {k: b[k] - a[k] for k in a}
+        return {
+            "major_faults_per_s": d["major_faults"] / span,
+            "cores_used": d["cpu_s"] / span,
+            "disk_read_mb_per_s": d["dev_read_bytes"] / span / 1e6,
+            "disk_write_mb_per_s": d["dev_write_bytes"] / span / 1e6,
+            "disk_busy_fraction": d["dev_busy_ms"] / (1e3 * span),
+            "disk_mean_queue": d["dev_queue_ms"] / (1e3 * span),
+        }
 
 
 def write_amplification(disk: dict[str, int], rows: int) -> dict[str, float]:

@@ -13,6 +13,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,19 @@ class Windows:
             (n, rate) for n, rate, _ in spans
         ]
         return sum(n for n, _ in keep) / sum(n / rate for n, rate in keep)
+
+
+class StampedWindows(Windows):
+    """:class:`Windows` that also keeps when each train record arrived (``perf_counter`` seconds)."""
+
+    def __init__(self, start_step: int, path: Path) -> None:
+        super().__init__(start_step, path)
+        self.stamps: list[float] = []
+
+    def write(self, **record: Any) -> None:
+        super().write(**record)
+        if record.get("kind") == "train":
+            self.stamps.append(time.perf_counter())
 
 
 def span_stats(feed: StagedPipeline, warmup: int) -> dict[str, Any]:
