@@ -1,7 +1,8 @@
 """The nested pipeline that feeds the tiered tables (section ``[pipeline]``).
 
 ``recsys.tiered.tiered_feed`` builds a :class:`pipelines.StagedPipeline` from it: load, key routing,
-tier prefetch and device fill of later batches on worker threads while the current batch computes.
+tier prefetch and device fill of later batches on worker threads while the current batch computes (tables
+in memory: the load stage alone, ``Trainer.feed``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from embedding_store.threads import lower_thread_priority
-from pipelines.config import TRACE_BATCHES, PipelineMode
+from pipelines.config import TRACE_BATCHES, PipelineConfig, PipelineMode, Stage
 
 __all__ = ["PipelineSection"]
 
@@ -45,6 +46,11 @@ class PipelineSection:
             raise ValueError(f"worker_nice must be in 0..19, got {self.worker_nice}")
         if self.frozen_windows < 1:
             raise ValueError(f"frozen_windows must be >= 1, got {self.frozen_windows}")
+
+    def staged_config(self) -> PipelineConfig:
+        """The :class:`~pipelines.StagedPipeline` configuration of a run's feed: this mode and trace size,
+        the source worker named as the load stage."""
+        return PipelineConfig(mode=self.mode, source_name=Stage.LOAD, trace_batches=self.trace_batches)
 
     def lower_worker_priority(self) -> None:
         """Lower the calling thread's OS priority by ``worker_nice`` (the ``on_start`` of the tier prefetch

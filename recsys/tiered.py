@@ -42,7 +42,7 @@ from embedding_store import (
     num_embeddings_for,
 )
 from embedding_store.bounds_rule import BoundsRule
-from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline, StageSpec
+from pipelines import DeviceContext, Stage, StagedPipeline, StageSpec
 from recsys.bounded import DEFAULT, BoundedTables
 from recsys.capacities import Capacities
 from recsys.config import RunConfig
@@ -406,5 +406,5 @@ def tiered_feed(
             on_start=section.lower_worker_priority,
         ),
     ]
-    config = PipelineConfig(mode=section.mode, source_name=Stage.LOAD, trace_batches=section.trace_batches)
+    config = section.staged_config()
     return StagedPipeline(source, stages, config=config, device=DeviceContext(device), rank=rank)

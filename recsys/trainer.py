@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipelines import DeviceContext, PipelineConfig, Stage, StagedPipeline
+from pipelines import DeviceContext, StagedPipeline
 from recsys.build import ModelParts, TrainSpec, build_parts, fold_source
 from recsys.checkpoint import (
     Checkpoint,
@@ -151,10 +151,7 @@ class Trainer:
             # In memory: only the load stage, on the pipeline's source worker in pipelined mode, so that
             # reading and folding batch i+1 overlaps batch i's compute as in tiered runs. A bounded
             # table's remap (which resets the rows of new ids) stays on this thread, in step order.
-            section = self.config.pipeline
-            config = PipelineConfig(
-                mode=section.mode, source_name=Stage.LOAD, trace_batches=section.trace_batches
-            )
+            config = self.config.pipeline.staged_config()
             loads = StagedPipeline(
                 source, [], config=config, device=DeviceContext(self.env.device), rank=self.env.rank
             )
