@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from embedding_store.hashing import mix64 as _mix
+from recsys.data import portable_math
 from recsys.data.block import Block, Jagged
 from recsys.data.stats import SplitStats
 from recsys.data.synthetic_config import MAX_ID_SPACE, SyntheticConfig
@@ -48,6 +49,16 @@ def _key(*parts: int | str) -> np.uint64:
         value = zlib.crc32(part.encode()) if isinstance(part, str) else part & 0xFFFFFFFFFFFFFFFF
         acc = _mix(acc ^ np.array([value], dtype=np.uint64) + _GOLDEN)
     return acc[0]
+
+
+def _sum_along(x: np.ndarray, axis: int) -> np.ndarray:
+    """``x.sum(axis)`` added strictly in index order, one elementwise add at a time: the same bits on every
+    CPU (a reduction's grouping is the kernel's choice)."""
+    parts = np.moveaxis(x, axis, 0)
+    acc = np.zeros(parts.shape[1:], dtype=np.float64)
+    for part in parts:
+        acc = acc + part
+    return acc
 
 
 def _unit(h: np.ndarray) -> np.ndarray:
@@ -73,10 +84,13 @@ class SyntheticCriteo:
         self.config = config
         self.seed = seed
         cfg = config
+        # Uniform draws only (integer bits, + and x): numpy's normal sampler calls the C library's exp and log.
         rng = np.random.default_rng([seed, 0x5EED])
-        self._dense_w = rng.normal(0.0, 0.5 / max(1, cfg.num_dense) ** 0.5, cfg.num_dense)
+        self._dense_w = rng.uniform(-1.0, 1.0, cfg.num_dense) * (
+            0.5 * np.sqrt(3.0) / np.sqrt(max(1, cfg.num_dense))
+        )
         self._dense_scale = rng.uniform(1.0, 50.0, cfg.num_dense)
-        self._dense_center = np.log1p(self._dense_scale) - 0.58
+        self._dense_center = portable_math.log(1.0 + self._dense_scale) - 0.58
         # Interactions within disjoint pairs of features (0-1, 2-3, ...).
         f = cfg.num_sparse
         self._pairs = np.array([(i, i + 1) for i in range(0, f - 1, 2)], dtype=np.int64).reshape(-1, 2)
@@ -165,8 +179,10 @@ class SyntheticCriteo:
         # Dense: heavy-tailed counts, log-transformed as Criteo pipelines do.
         dense = np.empty((b, cfg.num_dense), dtype=np.float32)
         for j in range(cfg.num_dense):
-            counts = np.floor(-np.log1p(-uniform(1, j)) * self._dense_scale[j])
-            dense[:, j] = np.log1p(counts)
+            counts = np.floor(
+                -portable_math.log(1.0 - uniform(1, j)) * self._dense_scale[j]
+            )  # 1 - u is exact
+            dense[:, j] = portable_math.log(1.0 + counts)
 
         shift = self._drift_offset(index)  # (B,) uint64 or None
         lengths = np.empty((cfg.num_sparse, b), dtype=np.int64)
@@ -179,7 +195,7 @@ class SyntheticCriteo:
                 ids[f, :, s] = self._zipf_ids(uniform(3, f, s), f, shift)
 
         logit = self._hidden_logit(dense, ids, lengths)
-        labels = (uniform(4) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+        labels = (uniform(4) < 1.0 / (1.0 + portable_math.exp(-logit))).astype(np.float32)
 
         mask = np.arange(cfg.multi_hot)[None, None, :] < lengths[:, :, None]  # (F, B, L)
         jagged = tuple(Jagged(ids[f][mask[f]], lengths[f]) for f in range(cfg.num_sparse))
@@ -198,16 +214,18 @@ class SyntheticCriteo:
     def _zipf_ids(self, u: np.ndarray, feature: int, shift: np.ndarray | None = None) -> np.ndarray:
         """Bounded Zipf ranks in [0, n) by inverse CDF of a power law, hashed into the id space.
 
+        The inverse CDF uses ``portable_math``: numpy's ``exp``/``log``/``**`` differ in the last bit between
+        CPUs, and at 2**63 ids one bit of a rank near 1e18 is hundreds of ranks, so another id.
         ``shift`` (B,) uint64 is the drift offset: rank ``r`` hashes as ``r - shift`` (mod 2**64), so a
         larger shift puts ids never drawn before on the top ranks.
         """
         n = float(self.config.feature_id_space(feature))
         a = self.config.zipf_alpha
         if abs(a - 1.0) < 1e-9:
-            rank = np.exp(u * np.log(n + 1.0)) - 1.0
+            rank = portable_math.exp(u * portable_math.log(n + 1.0)) - 1.0
         else:
-            top = (n + 1.0) ** (1.0 - a)
-            rank = (1.0 + u * (top - 1.0)) ** (1.0 / (1.0 - a)) - 1.0
+            top = portable_math.power(n + 1.0, 1.0 - a)
+            rank = portable_math.power(1.0 + u * (top - 1.0), 1.0 / (1.0 - a)) - 1.0
         rank_u = np.minimum(np.floor(rank), n - 1).astype(np.uint64)
         if shift is not None:
             rank_u = rank_u - shift  # wraps mod 2**64 by design
@@ -221,20 +239,25 @@ class SyntheticCriteo:
         cols = (np.arange(k, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
         vec = _unit(_mix(h + cols)) * 2.0 - 1.0  # (B, L, k)
         mask = (np.arange(ids.shape[1])[None, :] < lengths[:, None])[..., None]
-        return (vec * mask).sum(axis=1) / lengths[:, None]
+        return _sum_along(vec * mask, axis=1) / lengths[:, None]
 
     def _hidden_logit(self, dense: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         cfg = self.config
         hidden = np.stack([self._hidden(ids[f], lengths[f], f) for f in range(cfg.num_sparse)])  # (F, B, 1+k)
-        linear = hidden[:, :, 0].sum(axis=0) * cfg.linear_strength / np.sqrt(cfg.num_sparse)
+        linear = _sum_along(hidden[:, :, 0], axis=0) * cfg.linear_strength / np.sqrt(cfg.num_sparse)
         vec = hidden[:, :, 1:] * np.sqrt(3.0)  # unit variance per component
         inter = np.zeros(dense.shape[0])
         if len(self._pairs):
-            prods = (vec[self._pairs[:, 0]] * vec[self._pairs[:, 1]]).sum(axis=2)  # (P, B)
-            inter = prods.sum(axis=0) * cfg.interaction_strength / np.sqrt(len(self._pairs) * cfg.hidden_dim)
+            prods = _sum_along(vec[self._pairs[:, 0]] * vec[self._pairs[:, 1]], axis=2)  # (P, B)
+            inter = (
+                _sum_along(prods, axis=0)
+                * cfg.interaction_strength
+                / np.sqrt(len(self._pairs) * cfg.hidden_dim)
+            )
         # Centred by a constant (E[log X] of the counts), never by batch statistics: a sample's label must
-        # not depend on which batch it is generated in.
-        dense_term = (dense - self._dense_center) @ self._dense_w if cfg.num_dense else 0.0
+        # not depend on which batch it is generated in. No BLAS: its kernels (and their sums' order) vary by CPU.
+        centred = dense.astype(np.float64) - self._dense_center  # (B, D)
+        dense_term = _sum_along(centred * self._dense_w, axis=1) if cfg.num_dense else 0.0
         return self._bias + linear + 1.6 * inter + dense_term
 
     def as_dict(self) -> dict[str, object]:
