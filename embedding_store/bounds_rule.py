@@ -43,7 +43,7 @@ class BoundsRule:
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | np.integer):
-                raise ValueError(f"BoundsRule.{name} must be an int, got {value!r}")
+                raise ValueError(f"BoundsRule.{name} must be an integer, got {value!r}")
             if value < low or (high is not None and value > high):
                 bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
                 raise ValueError(f"BoundsRule.{name} must be {bounds}, got {value}")

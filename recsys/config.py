@@ -69,6 +69,13 @@ def _section_types() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
 
 
+def _is_table_type(annotation: Any) -> bool:
+    """Whether TOML gives ``annotation`` as a table: a dict or a config dataclass."""
+    return typing.get_origin(annotation) is dict or (
+        isinstance(annotation, type) and dataclasses.is_dataclass(annotation)
+    )
+
+
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Convert a TOML value to the annotated field type, or raise ConfigError naming ``where``."""
     origin = typing.get_origin(annotation)
@@ -83,7 +90,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             try:
                 return _coerce(value, arg, where)
             except ConfigError as err:
-                errors.append(str(err))
+                # The message of the arm the value was meant for: a table's for a table, else a scalar's
+                # (``admit_after = 2.5`` is "must be an integer", not "must be a table of keys").
+                if _is_table_type(arg) == isinstance(value, dict):
+                    errors.insert(0, str(err))
+                else:
+                    errors.append(str(err))
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
     if origin is dict:
         if not isinstance(value, dict):

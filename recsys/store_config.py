@@ -160,6 +160,15 @@ class StoreSection:
         from embedding_store.bounds_rule import BoundsRule
 
         common, per_feature = split_bounds(self.bounds)
+        # Only the tables of store.tables are bounded: a sub-table for another one would do nothing.
+        if self.tables:
+            for feature in per_feature:
+                if feature not in self.tables:
+                    raise ValueError(
+                        f"bounds.{feature} bounds a table that store.tables does not list "
+                        f"({', '.join(self.tables)}): add {feature!r} to store.tables, or remove "
+                        f"[store.bounds.{feature}]"
+                    )
         unknown = sorted(set(per_feature) - set(features)) if features else []
         if unknown:
             raise ValueError(f"bounds names unknown features {unknown}; features are {list(features)}")

@@ -342,8 +342,8 @@ def test_counts_saturate_without_changing_admission():
             "expire_after_steps must be 0 (never) or >= PROTECT_STEPS",
         ),
         ({"max_rows": -5}, "BoundsRule.max_rows must be >= 0, got -5"),
-        ({"max_rows": 2.5}, "BoundsRule.max_rows must be an int, got 2.5"),
-        ({"admit_after": True}, "BoundsRule.admit_after must be an int, got True"),
+        ({"max_rows": 2.5}, "BoundsRule.max_rows must be an integer, got 2.5"),
+        ({"admit_after": True}, "BoundsRule.admit_after must be an integer, got True"),
     ],
 )
 def test_rule_validation(fields, message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 
@@ -107,3 +108,33 @@ def test_pipeline_section_lowers_the_calling_threads_priority_by_worker_nice():
     thread.join()
     ((before, after),) = seen
     assert after == min(19, before + 4)
+
+
+@pytest.mark.parametrize(
+    ("bounds", "message"),
+    [
+        ({"admit_after": 2.5}, "store.bounds.admit_after must be an integer, got 2.5"),
+        ({"max_rows": "many"}, "store.bounds.max_rows must be an integer, got 'many'"),
+        ({"cat_0": {"admit_after": True}}, "store.bounds.cat_0.admit_after must be an integer, got True"),
+        ({"cat_0": 3}, "bounds.cat_0 = 3: unknown key"),
+    ],
+)
+def test_a_bounds_value_of_the_wrong_type_names_the_expected_type(bounds, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict({"store": {"bounds": bounds}})
+
+
+def test_bounds_for_a_feature_outside_store_tables_is_refused_with_the_fix():
+    """A sub-table for a feature that store.tables leaves out would bound nothing: it is refused, not
+    dropped (issue 50, defect c); within store.tables it applies."""
+    store = {"tables": ["cat_0"], "bounds": {"cat_1": {"max_rows": 100}}}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"store": store})
+    assert str(err.value) == (
+        "[store] bounds.cat_1 bounds a table that store.tables does not list (cat_0): add 'cat_1' to "
+        "store.tables, or remove [store.bounds.cat_1]"
+    )
+    applied = config_from_dict({"store": {"tables": ["cat_0", "cat_1"], "bounds": store["bounds"]}})
+    assert applied.store.bounds_rules(["cat_0", "cat_1", "cat_2"])["cat_1"].max_rows == 100
+    everywhere = config_from_dict({"store": {"bounds": store["bounds"]}})  # no store.tables: every feature
+    assert set(everywhere.store.bounds_rules(["cat_0", "cat_1"])) == {"cat_1"}
