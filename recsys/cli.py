@@ -178,6 +178,13 @@ def _train(args: argparse.Namespace) -> int:
         return _train_seeds(args, overrides, out)
     if args.resume and not (out / "checkpoints").is_dir():
         return _fail(f"--resume: no checkpoints in {out}")
+    if args.resume:
+        from recsys.checkpoint import check_resume_settings
+
+        try:
+            check_resume_settings(out / "checkpoints", config)  # before any worker starts
+        except UserError as err:
+            return _fail(str(err))
     if launched_by_torchrun():
         from recsys.lifetime import RunStopped
         from recsys.train import run
@@ -237,6 +244,10 @@ def _train_seeds(args: argparse.Namespace, overrides: list[str], out: Path) -> i
     def train_one(seed: int, run_dir: Path, resume: bool) -> int:
         print(f"seed {seed}: training into {run_dir}", flush=True)
         try:
+            if resume:
+                from recsys.checkpoint import check_resume_settings
+
+                check_resume_settings(run_dir / "checkpoints", configs[seed])
             code = launch(
                 configs[seed], run_dir, port=free_port(),
                 resume={"resume": resume, "allow_config_change": args.allow_config_change},

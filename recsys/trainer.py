@@ -25,6 +25,7 @@ from recsys.checkpoint import (
     ModelState,
     checkpoint_meta,
     fingerprint_mismatch,
+    fixed_setting_change,
     model_fingerprint,
     resumable_checkpoint,
     save_checkpoint,
@@ -191,12 +192,9 @@ class Trainer:
         changes = fingerprint_mismatch(saved, current)
         if not changes:
             return False
-        if saved is not None and saved.get("train.seed") != current.get("train.seed"):
-            raise UserError(
-                f"--resume: {path} was trained with train.seed={saved.get('train.seed')}, this run has "
-                f"train.seed={current.get('train.seed')}; the seed cannot change on resume (the embedding rows' "
-                "initial values depend on it)"
-            )
+        fixed = fixed_setting_change(path, saved, current)  # the seed, store.bounds, weights_precision
+        if fixed is not None:
+            raise UserError(fixed)
         if not allow_change:
             raise UserError(
                 f"--resume: {path} was trained with other settings that change the model: {'; '.join(changes)}; "

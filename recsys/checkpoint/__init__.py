@@ -17,7 +17,12 @@ the store snapshot, the run's record, the digest and the config; the run's progr
 """
 
 from recsys.checkpoint.files import DAMAGED_PREFIX, META, CheckpointError, _describe, latest_checkpoint
-from recsys.checkpoint.fingerprint import fingerprint_mismatch, model_fingerprint
+from recsys.checkpoint.fingerprint import (
+    check_resume_settings,
+    fingerprint_mismatch,
+    fixed_setting_change,
+    model_fingerprint,
+)
 from recsys.checkpoint.manager import Checkpoint, Checkpointable, save_checkpoint
 from recsys.checkpoint.state import ModelState, load_checkpoint
 from recsys.checkpoint.verify import (
@@ -37,9 +42,11 @@ __all__ = [
     "ModelState",
     "_describe",
     "_short",
+    "check_resume_settings",
     "checkpoint_meta",
     "checkpoint_world_size",
     "fingerprint_mismatch",
+    "fixed_setting_change",
     "latest_checkpoint",
     "load_checkpoint",
     "model_fingerprint",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from recsys.config import RunConfig, config_to_dict
+from recsys.errors import UserError
 
 # Per section of RunConfig, the keys that do not change the trained model; sections not named here
 # (store, pipeline, eval) change none. Every other key does, including keys added later.
@@ -76,3 +78,60 @@ def _defaults() -> dict[str, Any]:
 
     tree = json.loads(json.dumps(config_to_dict(config_from_dict({}))))
     return {f"{section}.{key}": v for section, keys in tree.items() for key, v in keys.items()}
+
+
+# Settings that no resume may change, not even with --allow-config-change, and why: what the checkpoint holds
+# was made for the saved value, and nothing converts it.
+_FIXED_ON_RESUME: dict[str, str] = {
+    "train.seed": "the embedding rows' initial values depend on it",
+    "store.bounds": (
+        "the checkpoint holds the rows, admission counts and default rows of the saved bounds, and a capped "
+        "table's shape; nothing converts them to other bounds"
+    ),
+    "sparse.weights_precision": (
+        "the checkpoint's rows and the store's rows are kept at the saved precision; nothing converts them"
+    ),
+}
+
+
+def fixed_setting_change(path: object, saved: dict[str, Any] | None, current: dict[str, Any]) -> str | None:
+    """One line refusing a resume of checkpoint ``path`` that changes a setting no resume may change (the
+    seed, ``store.bounds``, ``sparse.weights_precision``), or None. Checked before any worker starts
+    (:func:`recsys.checkpoint.check_resume_settings`) and again by each rank (under torchrun there is no
+    launcher)."""
+    if saved is None:
+        return None
+    changed = {line.partition(":")[0] for line in fingerprint_mismatch(saved, current)}
+    for key, why in _FIXED_ON_RESUME.items():
+        if key in changed:
+            was = json.dumps(saved.get(key, _defaults().get(key)), sort_keys=True)
+            now = json.dumps(json.loads(json.dumps(current.get(key))), sort_keys=True)
+            what = "the seed" if key == "train.seed" else key
+            return (
+                f"--resume: {path} was trained with {key}={was}, this run has {key}={now}; {what} cannot change "
+                f"on resume, not even with --allow-config-change ({why}): restore it, or train a new run "
+                "in another --out"
+            )
+    return None
+
+
+def check_resume_settings(root: Path, config: RunConfig) -> None:
+    """Refuse, before any worker starts, a resume from the newest complete checkpoint under ``root`` that
+    would change a setting no resume may change (:func:`fixed_setting_change`).
+
+    Raises:
+        UserError: the one line naming the setting, both values and the fix.
+    """
+    from recsys.checkpoint.files import _complete
+    from recsys.checkpoint.verify import checkpoint_meta
+
+    complete = _complete(root)
+    if not complete:
+        return
+    try:
+        meta = checkpoint_meta(complete[-1])
+    except (UserError, OSError, ValueError):
+        return  # a damaged checkpoint: the ranks' resume reports it and falls back to an older one
+    message = fixed_setting_change(complete[-1], meta.get("fingerprint"), model_fingerprint(config))
+    if message is not None:
+        raise UserError(message)
