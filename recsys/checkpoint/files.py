@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
@@ -48,6 +49,31 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def write_file_durably(path: Path, write: Callable[[BinaryIO], object]) -> Path:
+    """Write one checkpoint file: ``write(f)`` into ``.<name>.tmp`` beside ``path``, fsync it, rename it to
+    ``path`` and fsync the folder; returns ``path``.
+
+    Every file of a checkpoint goes this way (docs/reliability.md): a crash or a full disk never leaves a
+    half-written file under its final name, nor an earlier file at that name replaced by a partial one,
+    and the rename survives a power loss. On any error the temporary file is removed and the error
+    propagates as raised (a full disk stays an OSError with ``errno.ENOSPC``, which
+    :func:`recsys.writing.writing` turns into one line).
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _open_regular(path: Path) -> BinaryIO:

@@ -12,7 +12,6 @@ lists every rank's with sizes and checksums. JSON-sized state goes into ``meta.j
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,13 +88,8 @@ def save_checkpoint(root: Path, *, step: int, parts: Mapping[str, Checkpointable
         ckpt_files._fsync_dir(
             path
         )  # every rank's renames are durable before the checkpoint is marked complete
-        meta_tmp = path / f".{META}.tmp"
-        with open(meta_tmp, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(meta_tmp, path / META)
-        ckpt_files._fsync_dir(path)
+        text = json.dumps(meta, indent=1).encode()
+        ckpt_files.write_file_durably(path / META, lambda f: f.write(text))
         _prune(root, keep)
     if world > 1:
         dist.barrier()

@@ -13,15 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 
 from recsys.bounded import BoundedTables
 from recsys.build import ModelParts
+from recsys.checkpoint.files import write_file_durably
 from recsys.checkpoint.fingerprint import model_fingerprint
 from recsys.checkpoint.manager import Checkpoint
 from recsys.config import RunConfig, config_to_dict
 from recsys.data.spec import spec_to_dict
-from recsys.metrics import write_json
+from recsys.metrics import to_json
 from recsys.models import interaction_order
 from recsys.tiered import TieredTables
 
@@ -66,8 +67,10 @@ class BoundsState:
     def save(self, into: Checkpoint) -> list[Path]:
         path = into.path / f"bounds_rank_{into.rank}.safetensors"
         state = self.bounded.state(trained=into.step)  # with the steps a pipeline decided ahead
-        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(path))
-        return [path]
+        # Serialized in memory, then written like every checkpoint file: a full disk is an OSError (ENOSPC),
+        # and never leaves a partial file under the final name.
+        data = save({k: np.ascontiguousarray(v) for k, v in state.items()})
+        return [write_file_durably(path, lambda f: f.write(data))]
 
     def restore(self, source: Checkpoint) -> None:
         files = sorted(source.path.glob("bounds_rank_*.safetensors"))
@@ -164,8 +167,8 @@ class ConfigRecord:
     def save(self, into: Checkpoint) -> list[Path]:
         if into.rank != 0:
             return []
-        write_json(into.path / "config.json", config_to_dict(self.config))
-        return [into.path / "config.json"]
+        text = (to_json(config_to_dict(self.config), indent=2, sort_keys=False) + "\n").encode()
+        return [write_file_durably(into.path / "config.json", lambda f: f.write(text))]
 
     def restore(self, source: Checkpoint) -> None:
         """Nothing: the run's own config is the one that applies (the fingerprint is checked first)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import pickle
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -240,14 +239,7 @@ class ModelState:
             "shard_offsets": _offsets(model_state, "model") | _offsets(fused_state, "fused_optimizer"),
         }
         final = into.path / f"rank_{into.rank}.pt"
-        tmp = into.path / f".rank_{into.rank}.pt.tmp"
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        ckpt_files._fsync_dir(into.path)
-        return [final]
+        return [ckpt_files.write_file_durably(final, lambda f: torch.save(payload, f))]
 
     def restore(self, source: Any) -> None:
         load_checkpoint(

@@ -28,7 +28,7 @@ from recsys.errors import UserError
 from recsys.serving import BundleError, load_bundle
 from recsys.serving.bundle import describe_files
 from recsys.serving.export import export_bundle
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, needs_root, subprocess_env
 from tests.recsys.serving.conftest import cli, writable_copy
 
 RUN = "table_wise_2"
@@ -228,30 +228,6 @@ def test_a_bundle_through_a_symbolic_link_serves(exported, tmp_path):
 
 
 # -- a full filesystem --------------------------------------------------------------------------------
-
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """``tmpfs(size) -> folder``: a real tmpfs of that size (unmounted after the test)."""
-    mounts = []
-
-    def mount(size: str) -> Path:
-        path = tmp_path / f"mnt{len(mounts)}"
-        path.mkdir()
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-        )
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
-        mounts.append(path)
-        return path
-
-    yield mount
-    for path in mounts:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @needs_root
