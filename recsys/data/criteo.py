@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from recsys.data import portable_math
 from recsys.data.block import Block, Jagged
 from recsys.data.fields import Fields, split_fields
 from recsys.data.issues import Issues, Problems
@@ -37,8 +38,9 @@ SPARSE_NAMES = [f"C{i}" for i in range(1, NUM_SPARSE + 1)]
 
 
 def log_counts(counts: np.ndarray) -> np.ndarray:
-    """The dense transform: ``log(1 + max(x, 0))``, computed in float64 and rounded to float32."""
-    return np.log1p(np.maximum(counts, 0).astype(np.float64)).astype(np.float32)
+    """The dense transform: ``log(1 + max(x, 0))``, computed in float64 (the same bits on every CPU:
+    :mod:`recsys.data.portable_math`) and rounded to float32."""
+    return portable_math.log1p(np.maximum(counts, 0).astype(np.float64)).astype(np.float32)
 
 
 def _parse_columns(f: Fields, first: int, problems: Problems) -> tuple[np.ndarray, np.ndarray]:

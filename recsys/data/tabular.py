@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from recsys.data import portable_math
 from recsys.data.block import Block, Jagged
 from recsys.data.fields import Fields
 from recsys.data.issues import NOT_FINITE, Problems
@@ -260,7 +261,7 @@ class SideTable:
 def _transform(d: DenseSpec, values: np.ndarray, missing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(feature (N,) float32, overflow (N,) bool): rows whose finite value left float32's range."""
     if d.transform is Transform.LOG1P:
-        values = np.log1p(np.maximum(values, 0.0))
+        values = portable_math.log1p(np.maximum(values, 0.0))  # the same bits on every CPU
     with np.errstate(over="ignore", invalid="ignore"):  # found below, row by row
         out = np.where(missing, d.fill, (values - d.shift) * d.scale).astype(np.float32)
     return out, ~np.isfinite(out) & ~missing

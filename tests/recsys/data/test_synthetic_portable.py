@@ -60,14 +60,29 @@ RECORDED: list[tuple[dict, int, list[int], int, str, str]] = [
     ),
 ]
 
+# The readers' dense transform (log1p of counts and of real values), recorded the same way.
+RECORDED_DENSE = "85c11b5b650bdb09"
+
+
+def dense_transform_digest() -> str:
+    """sha256 (16 hex digits) of the Criteo and tabular dense transforms of fixed counts and values."""
+    from recsys.data.criteo import log_counts
+
+    counts = np.arange(-5, 200_000, 7, dtype=np.int64)
+    values = np.random.default_rng(7).lognormal(0.0, 4.0, 50_000)  # tiny to huge, fixed by the seed
+    h = hashlib.sha256(log_counts(counts).tobytes())
+    h.update(portable_math.log1p(values).tobytes())
+    return h.hexdigest()[:16]
+
+
 _CHILD = """
 import json, sys
 from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
-from tests.recsys.data.test_synthetic_portable import RECORDED, stream_digest
+from tests.recsys.data.test_synthetic_portable import RECORDED, dense_transform_digest, stream_digest
 from numpy._core import _multiarray_umath as m
 active = [k for k in m.__cpu_dispatch__ if m.__cpu_features__.get(k)]
 digests = [stream_digest(SyntheticCriteo(SyntheticConfig(**c), seed=s), st, b, sp) for c, s, st, b, sp, _ in RECORDED]
-print(json.dumps({"active": active, "digests": digests}))
+print(json.dumps({"active": active, "digests": digests, "dense": dense_transform_digest()}))
 """
 
 
@@ -99,9 +114,9 @@ def test_the_stream_is_the_recorded_one_at_every_numpy_dispatch_level():
     for disabled in levels:
         result = _run_child(_CHILD, disabled)
         assert not set(result["active"]) & set(disabled), (disabled, result["active"])  # the limit took
-        assert result["digests"] == [r[-1] for r in RECORDED], (
-            f"NPY_DISABLE_CPU_FEATURES={' '.join(disabled)!r}"
-        )
+        limit = f"NPY_DISABLE_CPU_FEATURES={' '.join(disabled)!r}"
+        assert result["digests"] == [r[-1] for r in RECORDED], limit
+        assert result["dense"] == RECORDED_DENSE, limit
 
 
 _NUMPY_KERNELS = """
@@ -140,6 +155,22 @@ def test_portable_math_is_within_one_ulp_of_the_c_library(name):
     ulps = np.abs(got - ref) / np.spacing(np.abs(ref))
     assert ulps.max() <= 1.0
     assert (got == ref).mean() > 0.9  # correctly rounded almost everywhere
+
+
+def test_portable_log1p_is_within_two_ulps_and_keeps_numpys_special_values():
+    rng = np.random.default_rng(2)
+    x = np.concatenate(
+        [rng.uniform(-0.999, 1.0, 20_000), 10 ** rng.uniform(-300, 300, 20_000), [1e-17, 5e-324]]
+    )
+    got, ref = portable_math.log1p(x), np.array([math.log1p(v) for v in x])
+    assert (np.abs(got - ref) / np.spacing(np.abs(ref))).max() <= 2.0
+    special = np.array([0.0, -0.0, -1.0, -2.0, np.inf, np.nan])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = np.log1p(special)
+    assert np.array_equal(portable_math.log1p(special), expected, equal_nan=True)
+    assert np.signbit(portable_math.log1p(-0.0))
+    counts = np.arange(0, 100_000, dtype=np.float64)  # what the Criteo transform feeds it
+    assert np.array_equal(portable_math.log1p(counts).astype(np.float32), np.log1p(counts).astype(np.float32))
 
 
 def test_portable_math_refuses_what_it_cannot_compute():
