@@ -2,13 +2,14 @@
 code as a full run, and ends with its one JSON result line holding its headline keys.
 
 The figures of a smoke run mean nothing (the sizes are too small to measure anything), so only the shape
-of the result is checked, plus what each program checks itself (exit 0: e.g. bench_scale's and bench_ssd's
+of the result is checked (every headline key a finite number), plus what each program checks itself (exit 0: e.g. bench_scale's and bench_ssd's
 rows read back equal to their oracles). The scratch folders go under pytest's ``tmp_path``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     ),
     "bench_readers.py": ("--dir", ("ours_over_pyarrow", "ours_rows_per_s", "pyarrow_rows_per_s")),
     "bench_real_data.py": ("--out", ("all_pass", "configs.movielens-100k.median_auc")),
-    "bench_scale.py": ("--dir", ("rows_in_lmdb", "peak_rss_gib", "writeback_rows_per_s", "all_exact")),
+    "bench_scale.py": ("--dir", ("rows_in_lmdb", "peak_rss_gib", "writeback_rows_per_s", "rows_exact")),
     "bench_serving.py": (
         "--dir",
         ("b1024_cached_throughput_vs_torchrec", "b1_cache_10pct_p50_vs_torchrec", "export_seconds"),
@@ -123,4 +124,17 @@ def test_smoke_run_prints_its_result(program, tmp_path):
     result = json.loads(lines[-1])
     assert isinstance(result, dict), lines[-1][:500]
     for key in keys:
-        _lookup(result, key)
+        _require_number(key, _lookup(result, key))
+
+
+def _require_number(key: str, value: object) -> None:
+    """A headline is a finite number: a smoke run that prints None, NaN or a string for one has lost it."""
+    assert isinstance(value, int | float) and not isinstance(value, bool), f"{key} = {value!r}: not a number"
+    assert math.isfinite(value), f"{key} = {value!r}: not finite"
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), "1.0", True])
+def test_a_headline_that_is_not_a_finite_number_fails(value):
+    with pytest.raises(AssertionError, match="speedup"):
+        _require_number("speedup", value)
+    _require_number("speedup", 1.25)
