@@ -32,7 +32,8 @@ a child process of its own, one after the other, its files deleted when measured
   Adagrad state stays in RAM (4 bytes a row), and TorchRec's and our initialisation write every row of the
   file before training (``init_s``, ``init_disk_bytes``; not counted in the fit).
 
-Per arm: samples/s over the fit and its first and last tenth (log windows; ``last_tenth`` holds the major
+Per arm: samples/s over the fit and its first and last tenth (of the log windows, total samples over total
+time: ``harness.window_rate``; ``last_tenth`` holds the major
 faults/s, disk read and write MB/s, busy fraction, queue and cores used over those windows, from a 1 s
 timeline: whether the table still outgrows the page cache at the end), bytes written to the disk
 during the fit plus what makes its model durable at the end (the store's flush; the mapping's ``msync``):
@@ -63,18 +64,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from bench_scale import stream_overrides
 from harness import (
     RssPeak,
     alternate,
     emit,
+    first_tenth,
+    last_tenth,
     machine_info,
     paired_ratios,
     quiet,
     run_child,
     status_kib,
+    window_rate,
 )
 from ssd_tier.disk import DiskIo, DiskTimeline
 from tiered_training.runs import SilentProgress, StampedWindows, train_once
@@ -230,8 +233,8 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
     wall_ms = 1e3 * (fit_s + durable_s)
     cache = meminfo_kib("MemTotal", "Cached", "Dirty")
     trainer.close()  # the tiered arms' rows are flushed already
-    rates = [r["samples_per_s"] for r in windows.rows]
-    tenth = max(1, len(rates) // 10)
+    count = len(windows.rows)
+    tenth = last_tenth(count).stop - last_tenth(count).start
     samples = summary["samples_this_process"]
     cpu_s = (usage.ru_utime - usage0.ru_utime) + (usage.ru_stime - usage0.ru_stime)
     record: dict[str, Any] = {
@@ -240,8 +243,8 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
         "steps": summary["steps"],
         "fit_s": fit_s,
         "samples_per_s": summary["samples_per_s"],
-        "samples_per_s_first_tenth": float(np.mean(rates[:tenth])),
-        "samples_per_s_last_tenth": float(np.mean(rates[-tenth:])),
+        "samples_per_s_first_tenth": window_rate(windows.rows, 0, part=first_tenth(count)),
+        "samples_per_s_last_tenth": window_rate(windows.rows, 0, part=last_tenth(count)),
         "auc": summary["auc"],
         "logloss": summary["logloss"],
         "disk_bytes": io.get("dev_write_bytes"),

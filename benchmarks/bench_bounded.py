@@ -26,7 +26,8 @@ and as its LAST line one JSON object:
   sectors written, which count other processes too);
 - ``auc_delta``: held-out AUC with admission minus without (``auc_admit``, ``auc_none``, and the log
   losses), the final evaluation of each fit on the same ``--eval-samples`` held-out samples;
-- ``last_tenth_speedup``: samples/s over the last tenth of the log windows with admission over without
+- ``last_tenth_speedup``: samples/s over the last tenth of the log windows (total samples over total time:
+  ``harness.window_rate``) with admission over without
   (``last_tenth_samples_per_s_admit``, ``_none``).
 
 **expiry** (a stream drifting by ``--drift`` popularity ranks per sample, ``expire_after_steps =
@@ -70,10 +71,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from bench_scale import stream_overrides
-from harness import emit, machine_info, quiet
+from harness import emit, last_tenth, machine_info, quiet, window_rate
 from ssd_tier.disk import DiskIo
 from tiered_training.runs import SilentProgress
 
@@ -85,7 +85,6 @@ from recsys.distributed import DistEnv, free_port, init_distributed
 from recsys.tiered import TieredTables
 from recsys.trainer import Trainer
 
-ROW_BYTES = 260  # 64 float32 weights + one row-wise Adagrad float
 PARTS = ("admission", "expiry", "cap")
 INITIALISED = TieredTables.COUNTERS.index("rows_initialised")
 
@@ -225,15 +224,14 @@ def run_arm(args: argparse.Namespace, label: str, overrides: list[str]) -> dict[
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
     last = probe.rows[-1]
-    rates = [r["samples_per_s"] for r in probe.rows]
-    tenth = max(1, len(rates) // 10)
     result = {
         "arm": label,
         "overrides": overrides,
         "wall_s": wall,
         "steps": summary["steps"],
         "samples_per_s": summary["samples_per_s"],
-        "last_tenth_samples_per_s": float(np.mean(rates[-tenth:])),
+        "last_tenth_samples_per_s": window_rate(probe.rows, 0, part=last_tenth(len(probe.rows))),
+        "row_bytes": tables[0].row_bytes,  # the store's packed row (TableSpec), the same for every table
         "auc": summary["auc"],
         "logloss": summary["logloss"],
         "rows_end": probe.flushed["rows"],
@@ -331,7 +329,7 @@ def cap(args: argparse.Namespace) -> dict[str, Any]:
     """The cap: ``max_rows`` per table through small tiers; its largest row count and the log's size."""
     tiers = [f"store.device_rows={args.cap_device_rows}", f"store.host_rows={args.cap_host_rows}"]
     arm = run_arm(args, "cap", [*tiers, "synthetic.eval_samples=4096", *bounds(max_rows=args.cap)])
-    payload = args.cap * args.tables * ROW_BYTES
+    payload = args.cap * args.tables * arm["row_bytes"]
     return {
         "cap": args.cap,
         "cap_max_rows": arm["max_table_rows"],

@@ -286,6 +286,27 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
     }
 
 
+def window_rate(windows: Sequence[Mapping[str, Any]], start_step: int, *, part: slice | None = None) -> float:
+    """Samples/s over training log windows (records with ``step``, the window's last step, and
+    ``samples_per_s``): total samples over total time, each window weighted by its steps (the batch size is
+    the same in every window). ``part`` picks windows, e.g. :func:`last_tenth`; ``start_step``: the step the
+    fit started at (the first window's start). The one definition every program's first/last tenth uses."""
+    starts = [start_step] + [int(w["step"]) for w in windows[:-1]]
+    spans = [(int(w["step"]) - s, float(w["samples_per_s"])) for w, s in zip(windows, starts, strict=True)]
+    chosen = spans[part] if part is not None else spans
+    return sum(n for n, _ in chosen) / sum(n / rate for n, rate in chosen)
+
+
+def first_tenth(count: int) -> slice:
+    """The first tenth of ``count`` windows (at least one)."""
+    return slice(0, max(1, count // 10))
+
+
+def last_tenth(count: int) -> slice:
+    """The last tenth of ``count`` windows (at least one)."""
+    return slice(count - max(1, count // 10), count)
+
+
 # -- output -----------------------------------------------------------------------------------------
 
 

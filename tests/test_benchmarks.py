@@ -138,3 +138,20 @@ def test_a_headline_that_is_not_a_finite_number_fails(value):
     with pytest.raises(AssertionError, match="speedup"):
         _require_number("speedup", value)
     _require_number("speedup", 1.25)
+
+
+def test_every_program_rates_a_tenth_as_total_samples_over_total_time():
+    """harness.window_rate, the one definition of "the first/last tenth" (issue 51): windows of different
+    lengths count by their steps, unlike a mean of the windows' rates."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from harness import first_tenth, last_tenth, window_rate
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    # 10 steps at 100 steps/s, then 90 at 400: 100 steps in 0.1 + 0.225 s
+    uneven = [{"step": 10, "samples_per_s": 100.0}, {"step": 100, "samples_per_s": 400.0}]
+    assert window_rate(uneven, 0) == pytest.approx(100 / (10 / 100 + 90 / 400))  # 307.7, the mean is 250
+    many = [{"step": 5 * (i + 1), "samples_per_s": float(i + 1)} for i in range(25)]
+    assert first_tenth(25) == slice(0, 2) and last_tenth(25) == slice(23, 25)
+    assert window_rate(many, 0, part=last_tenth(25)) == pytest.approx(10 / (5 / 24 + 5 / 25))
+    assert window_rate(many, 0, part=first_tenth(1)) == pytest.approx(1.0)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from harness import CpuProbe, ThreadCpu, alternate, emit, paired_ratios
+from harness import CpuProbe, ThreadCpu, alternate, emit, paired_ratios, window_rate
 
 from pipelines import StagedPipeline
 from recsys.build import TrainSpec
@@ -118,14 +118,11 @@ class Windows:
 
     def steady_rate(self, warmup_steps: int) -> float:
         """Samples/s over the windows that start ``warmup_steps`` or more after the fit's first step
-        (weighted by their steps, i.e. total samples over total time)."""
-        rows = self.rows
-        starts = [self.start_step] + [r["step"] for r in rows[:-1]]
-        spans = [(r["step"] - s, r["samples_per_s"], s) for r, s in zip(rows, starts, strict=True)]
-        keep = [(n, rate) for n, rate, s in spans if s - self.start_step >= warmup_steps] or [
-            (n, rate) for n, rate, _ in spans
-        ]
-        return sum(n for n, _ in keep) / sum(n / rate for n, rate in keep)
+        (weighted by their steps, i.e. total samples over total time: :func:`harness.window_rate`); all of
+        them when none does."""
+        starts = [self.start_step] + [r["step"] for r in self.rows[:-1]]
+        first = next((i for i, s in enumerate(starts) if s - self.start_step >= warmup_steps), 0)
+        return window_rate(self.rows, self.start_step, part=slice(first, None))
 
 
 class StampedWindows(Windows):
