@@ -22,10 +22,21 @@ a child process of its own, one after the other, its files deleted when measured
 - ``tierrec_fp16``: the same at ``sparse.weights_precision = fp16``; ``tierrec_admit2``: with
   ``[store.bounds] admit_after = 2``;
 - ``hashed_ram``: ``store.tiered = false``, ids folded modulo ``--host-rows`` + ``--device-rows`` rows per
-  table: the same bytes as tierrec's two upper tiers (260-byte rows both), hash collisions accepted;
-- ``mmap``: ``store.tiered = false`` with ``--mmap-rows`` rows per table (ids folded into them; the default
-  makes a 23.8 GiB file of 100 M rows, just over a 23.5 GiB machine's memory), FBGEMM's
-  weights over one file-backed shared mapping (``torch.from_file``, FBGEMM's ``preallocated_host_buffers``)
+  table: hashed into the memory of tierrec's two upper tiers (the same rows, the same row bytes), hash
+  collisions accepted;
+- ``hashed_ram_sized``: the same, hashed into the rows that a user would give it on this machine: a share
+  (``--ram-share``) of the memory available when the program starts, less ``--ram-reserve-gib`` for the
+  process and the dense model, over the tables' row bytes (the store's ``TableSpec``); ``--ram-cap-rows``
+  caps it (the smoke run);
+- ``mmap``: ``store.tiered = false``, one row per distinct id of the training stream, as a user who maps
+  a table would keep it: an id-to-row index in RAM (each table's distinct ids as one sorted array, looked up
+  with ``searchsorted``; ``index_gib`` in the record, counted in its RSS), held-out ids the index lacks share
+  one extra row. The parent writes the index (``<dir>/vocab``) while it replays the stream, and the arm reads
+  its data through the factory :func:`vocab_stream` (``data.source``). At the defaults the file is 102 M rows
+  of 256 bytes, 24.3 GiB, more than a 23.5 GiB machine's memory;
+- ``mmap_folded`` (not run unless named): the same mapping with ids folded into ``--mmap-rows`` rows per
+  table, the mapped arm of the first recorded run (12.5 M rows a table: 100 M rows, 23.8 GiB).
+  Both mapped arms put FBGEMM's weights over one file-backed shared mapping (``torch.from_file``, FBGEMM's ``preallocated_host_buffers``)
   with ``madvise(MADV_RANDOM)`` for training (``MADV_SEQUENTIAL`` while the rows are initialised); the
   page cache is its cache and the kernel's dirty-page write-back its write path, at the machine's
   ``vm.dirty_*`` settings (reported). Differs from tierrec in: the row-wise
@@ -43,9 +54,17 @@ during the fit plus what makes its model durable at the end (the store's flush; 
 the sampled peaks of anonymous and file-backed resident memory; held-out AUC and log loss of the final model.
 The mmap arm also reports the file's size against the machine's memory and the page cache at the end.
 
-The LAST line is one JSON object with, besides every arm's record: ``fits_ram_vs_torchrec``,
-``over_ram_vs_mmap_last_tenth`` (tierrec's last-tenth samples/s over mmap's), ``over_ram_vs_hashed_ram_last_tenth``,
-``over_ram_auc_vs_mmap`` and ``over_ram_auc_vs_hashed_ram`` (AUC differences), ``over_ram_disk_bytes_vs_mmap``.
+For each in-memory arm (``hashed_ram``, ``hashed_ram_sized``, ``mmap``, ``mmap_folded``), the training stream's ids are
+replayed first (before any arm runs) and folded as the arm folds them: ``<arm>_shared_row_fraction`` is the
+share of the distinct ids whose row holds another id too, ``<arm>_shared_lookup_fraction`` the share of the
+lookups that read such a row (0 for an arm that keeps one row per id).
+
+The LAST line is one JSON object with, besides every arm's record: ``fits_ram_vs_torchrec``; for tierrec
+against each other arm ``over_ram_vs_<arm>_last_tenth`` (last-tenth samples/s over the arm's),
+``over_ram_auc_vs_<arm>`` (AUC difference), ``over_ram_disk_bytes_vs_<arm>`` and
+``over_ram_cpu_per_sample_vs_<arm>``; the same four for every pair of arms under ``versus``
+(``versus.<candidate>.<baseline>``); ``over_ram_cpu_s_per_1k_samples`` of each arm; the shared-row
+fractions and ``hashed_ram_sized_rows_per_table``.
 
 Usage: python benchmarks/bench_alternatives.py [--only fits_ram,over_ram] [--arms tierrec,mmap,...]
        [--steps 1700] [--batch 16384] [--dir /tmp/bench_alternatives] [--smoke]
@@ -55,6 +74,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
+import json
 import os
 import resource
 import shutil
@@ -64,6 +85,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from bench_scale import stream_overrides
 from harness import (
@@ -87,7 +109,11 @@ from recsys.config import config_from_dict
 from recsys.distributed import free_port, init_distributed
 from recsys.trainer import Trainer
 
-OVER_RAM_ARMS = ("tierrec", "tierrec_fp16", "tierrec_admit2", "hashed_ram", "mmap")
+OVER_RAM_ARMS = ("tierrec", "tierrec_fp16", "tierrec_admit2", "hashed_ram", "hashed_ram_sized", "mmap")
+OPTIONAL_ARMS = ("mmap_folded",)
+FOLDING_ARMS = ("hashed_ram", "hashed_ram_sized", "mmap_folded")  # ids modulo the arm's rows
+MAPPED_ARMS = ("mmap", "mmap_folded")
+VOCAB_ENV = "BENCH_ALTERNATIVES_VOCAB"  # the folder holding the mmap arm's index (vocab/), for vocab_stream
 MADV_RANDOM, MADV_SEQUENTIAL, MS_SYNC = 1, 2, 4
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = _LIBC.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -188,11 +214,142 @@ def arm_overrides(args: argparse.Namespace, arm: str) -> list[str]:
         return ["sparse.weights_precision=fp16"]
     if arm == "tierrec_admit2":
         return ["store.bounds={admit_after=2}"]
-    if arm == "hashed_ram":
-        return ["store.tiered=false", f"sparse.max_rows_per_table={args.host_rows + args.device_rows}"]
-    if arm == "mmap":
-        return ["store.tiered=false", f"sparse.max_rows_per_table={args.mmap_rows}"]
+    if arm in FOLDING_ARMS:
+        return ["store.tiered=false", f"sparse.max_rows_per_table={folded_rows(args, arm)}"]
+    if arm == "mmap":  # one row per distinct id: no table is folded
+        rows = max(np.load(f, mmap_mode="r").shape[0] for f in vocab_files(args.dir)) + 1
+        return [
+            "store.tiered=false",
+            f"sparse.max_rows_per_table={rows}",
+            "data.source=bench_alternatives:vocab_stream",
+        ]
     raise ValueError(f"unknown arm {arm!r}")
+
+
+def vocab_files(root: Path) -> list[Path]:
+    return sorted((root / "vocab").glob("table_*.npy"), key=lambda p: int(p.stem.split("_")[1]))
+
+
+class VocabStream:
+    """bench_scale's stream with each table's ids looked up in the table's sorted distinct training ids
+    (an id-to-row index such as a user of a mapped table builds): row = the id's rank, and ids the index
+    lacks (held-out only) share the row past the last. Implements the Dataset protocol."""
+
+    def __init__(self, data: Any, vocab: list[np.ndarray]) -> None:
+        self.data = data
+        self.vocab = vocab  # per table, (V_t,) int64 sorted
+
+    @property
+    def feature_names(self) -> list[str]:
+        return list(self.data.feature_names)
+
+    @property
+    def id_spaces(self) -> list[int]:
+        return [v.shape[0] + 1 for v in self.vocab]
+
+    @property
+    def num_dense(self) -> int:
+        return int(self.data.num_dense)
+
+    def split_stats(self) -> Any:
+        return self.data.split_stats()
+
+    def _rows(self, batch: Any) -> Any:
+        from recsys.routing import values_by_feature, with_values
+
+        rows = {}
+        for name, values in values_by_feature(batch.sparse).items():
+            vocab = self.vocab[self.feature_names.index(name)]
+            ids = values.numpy()
+            at = np.minimum(np.searchsorted(vocab, ids), vocab.shape[0] - 1)
+            rows[name] = torch.from_numpy(np.where(vocab[at] == ids, at, vocab.shape[0]))
+        return with_values(batch, rows)
+
+    def train_batches(self, **kwargs: Any) -> Any:
+        return (self._rows(b) for b in self.data.train_batches(**kwargs))
+
+    def eval_batches(self, **kwargs: Any) -> Any:
+        return (self._rows(b) for b in self.data.eval_batches(**kwargs))
+
+
+def vocab_stream(config: Any, *, seed: int) -> VocabStream:
+    """The mmap arm's dataset (``data.source = "bench_alternatives:vocab_stream"``): the stream its parent
+    replayed, from ``$BENCH_ALTERNATIVES_VOCAB/vocab`` (``synthetic.json`` and one ``table_<t>.npy`` per table)."""
+    from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
+
+    root = Path(os.environ[VOCAB_ENV])
+    synthetic = SyntheticConfig(**json.loads((root / "vocab" / "synthetic.json").read_text()))
+    return VocabStream(SyntheticCriteo(synthetic, seed=seed), [np.load(f) for f in vocab_files(root)])
+
+
+def folded_rows(args: argparse.Namespace, arm: str) -> int:
+    """Rows per table of an arm that folds ids into an in-memory table."""
+    if arm == "hashed_ram":
+        return args.host_rows + args.device_rows
+    if arm == "hashed_ram_sized":
+        assert args.hashed_sized_rows > 0, "sized by the parent (ram_sized_rows)"
+        return args.hashed_sized_rows
+    return args.mmap_rows
+
+
+def ram_sized_rows(args: argparse.Namespace) -> dict[str, Any]:
+    """Rows per table for ``hashed_ram_sized``: ``--ram-share`` of MemAvailable now, less the reserve, over
+    the tables' row bytes; capped by ``--ram-cap-rows`` (0: no cap)."""
+    from recsys.tiered import row_bytes
+
+    cfg = config_from_dict({}, base_overrides(args, args.dir, args.steps))
+    table_row_bytes = row_bytes(cfg.sparse, cfg.model.embedding_dim)
+    available = meminfo_kib("MemAvailable")["MemAvailable"] * 1024
+    budget = args.ram_share * available - args.ram_reserve_gib * 2**30
+    rows = max(1, int(budget // (args.tables * table_row_bytes)))
+    capped = min(rows, args.ram_cap_rows) if args.ram_cap_rows else rows
+    return {
+        "hashed_ram_sized_rows_per_table": capped,
+        "hashed_ram_sized_rows_uncapped": rows,
+        "hashed_ram_sized_gib": capped * args.tables * table_row_bytes / 2**30,
+        "mem_available_gib_at_start": available / 2**30,
+        "row_bytes": table_row_bytes,
+    }
+
+
+def shared_fractions(args: argparse.Namespace, arms: list[str]) -> dict[str, float]:
+    """Replay the training stream's ids and fold them as each of ``arms`` does: the share of distinct ids
+    whose row another id shares, and of lookups that read such a row (all tables together)."""
+    from recsys.data.synthetic import SyntheticCriteo
+
+    cfg = config_from_dict({}, base_overrides(args, args.dir, args.steps))
+    data = SyntheticCriteo(cfg.synthetic, seed=cfg.train.seed)
+    draws: list[list[np.ndarray]] = [[] for _ in range(args.tables)]
+    for step in range(args.steps):
+        block = data.sample_block(np.arange(step * args.batch, (step + 1) * args.batch, dtype=np.uint64))
+        for table, jagged in enumerate(block.ids):
+            draws[table].append(jagged.values)
+    shared_ids = {arm: 0 for arm in arms}
+    shared_lookups = {arm: 0 for arm in arms}
+    distinct_total = lookups_total = 0
+    vocab = args.dir / "vocab"
+    if "mmap" in arms:  # the mmap arm's id-to-row index: each table's distinct training ids, sorted
+        shutil.rmtree(vocab, ignore_errors=True)
+        vocab.mkdir(parents=True)
+        (vocab / "synthetic.json").write_text(json.dumps(dataclasses.asdict(cfg.synthetic)))
+    for table in range(args.tables):
+        ids, counts = np.unique(np.concatenate(draws[table]), return_counts=True)
+        draws[table] = []
+        distinct_total += ids.size
+        lookups_total += int(counts.sum())
+        if "mmap" in arms:
+            np.save(vocab / f"table_{table}.npy", ids)
+        for arm in arms:
+            rows = np.searchsorted(ids, ids) if arm == "mmap" else ids % folded_rows(args, arm)
+            _, row_of, per_row = np.unique(rows, return_inverse=True, return_counts=True)
+            shared = per_row[row_of] >= 2  # (distinct ids,)
+            shared_ids[arm] += int(shared.sum())
+            shared_lookups[arm] += int(counts[shared].sum())
+    out: dict[str, float] = {"stream_distinct_ids": distinct_total}
+    for arm in arms:
+        out[f"{arm}_shared_row_fraction"] = shared_ids[arm] / distinct_total
+        out[f"{arm}_shared_lookup_fraction"] = shared_lookups[arm] / lookups_total
+    return out
 
 
 def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
@@ -201,7 +358,9 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cfg = config_from_dict({}, [*base_overrides(args, out, args.steps), *arm_overrides(args, arm)])
-    mapped = MappedWeights(out / "mmap" / "weights.f32") if arm == "mmap" else None
+    mapped = MappedWeights(out / "mmap" / "weights.f32") if arm in MAPPED_ARMS else None
+    if arm == "mmap":
+        os.environ[VOCAB_ENV] = str(args.dir)
     env = distributed()
     disk0 = DiskIo(out)
     t0 = time.perf_counter()
@@ -266,6 +425,8 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
         "peak_rss_sampled_gib": {k: v / 2**20 for k, v in rss.peak.items()},
         **init,
     }
+    if arm == "mmap":  # the id-to-row index, held in RAM by the arm's dataset
+        record["index_gib"] = sum(f.stat().st_size for f in vocab_files(args.dir)) / 2**30
     if mapped is not None:
         assert mapped.weights is not None
         record.update(
@@ -335,6 +496,17 @@ def fits_ram(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def over_ram(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "hashed_ram_sized" in args.arms:
+        out.update(ram_sized_rows(args))
+        args.hashed_sized_rows = out["hashed_ram_sized_rows_per_table"]
+        argv = [*argv, "--hashed-sized-rows", str(args.hashed_sized_rows)]
+    in_memory = [a for a in args.arms if a in FOLDING_ARMS or a == "mmap"]
+    if in_memory:
+        say(f"over_ram: replaying the stream's ids to place them as {', '.join(in_memory)} do")
+        out.update(shared_fractions(args, in_memory))
+        if out.get("mmap_shared_row_fraction", 0.0) != 0.0:  # the index must give every id its own row
+            raise SystemExit(f"mmap: {out['mmap_shared_row_fraction']} of the ids share a row")
     arms: dict[str, dict[str, Any]] = {}
     for arm in args.arms:
         say(f"over_ram: {arm} ({args.steps} steps of {args.batch})")
@@ -346,23 +518,34 @@ def over_ram(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             f"{(record['disk_bytes'] or 0) / 1e9:.2f} GB written"
         )
         arms[arm] = record
-    out: dict[str, Any] = {"over_ram": arms}
-    tier = arms.get("tierrec")
-
-    def versus(other: str, key: str, op: str) -> float | None:
-        if tier is None or other not in arms or tier.get(key) is None or arms[other].get(key) is None:
-            return None
-        a, b = tier[key], arms[other][key]
-        return a - b if op == "-" else (a / b if b else None)
-
-    out.update(
-        over_ram_vs_mmap_last_tenth=versus("mmap", "samples_per_s_last_tenth", "/"),
-        over_ram_vs_hashed_ram_last_tenth=versus("hashed_ram", "samples_per_s_last_tenth", "/"),
-        over_ram_auc_vs_mmap=versus("mmap", "auc", "-"),
-        over_ram_auc_vs_hashed_ram=versus("hashed_ram", "auc", "-"),
-        over_ram_disk_bytes_vs_mmap=versus("mmap", "disk_bytes", "/"),
-    )
+    if not args.keep:
+        shutil.rmtree(args.dir / "vocab", ignore_errors=True)
+    out["over_ram"] = arms
+    out["over_ram_cpu_s_per_1k_samples"] = {arm: r["cpu_s_per_1k_samples"] for arm, r in arms.items()}
+    out["versus"] = {a: {b: versus(arms[a], arms[b]) for b in arms if b != a} for a in arms}
+    for other, ratios in out["versus"].get("tierrec", {}).items():
+        for key, value in ratios.items():
+            out[
+                f"over_ram_{key}_vs_{other}" if key != "last_tenth" else f"over_ram_vs_{other}_last_tenth"
+            ] = value
     return out
+
+
+def versus(candidate: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float | None]:
+    """One arm against another: last-tenth samples/s ratio, AUC difference, ratios of bytes written to the
+    disk and of CPU seconds per sample (None where a figure is missing or a divisor is 0)."""
+
+    def ratio(key: str) -> float | None:
+        a, b = candidate.get(key), baseline.get(key)
+        return a / b if a is not None and b else None
+
+    auc_a, auc_b = candidate.get("auc"), baseline.get("auc")
+    return {
+        "last_tenth": ratio("samples_per_s_last_tenth"),
+        "auc": auc_a - auc_b if auc_a is not None and auc_b is not None else None,
+        "disk_bytes": ratio("disk_bytes"),
+        "cpu_per_sample": ratio("cpu_s_per_1k_samples"),
+    }
 
 
 _ENV: Any = None
@@ -393,8 +576,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--mmap-rows",
         type=int,
         default=12_500_000,
-        help="rows per table of the mapped file (8 x 256 B: 23.8 GiB)",
+        help="mmap_folded: rows per table of the mapped file (8 x 256 B: 23.8 GiB)",
     )
+    parser.add_argument(
+        "--ram-share", type=float, default=0.8, help="hashed_ram_sized: share of MemAvailable at start"
+    )
+    parser.add_argument(
+        "--ram-reserve-gib",
+        type=float,
+        default=1.5,
+        help="hashed_ram_sized: kept for the process and the dense model (the hashed arm's peak RSS less its rows)",
+    )
+    parser.add_argument(
+        "--ram-cap-rows", type=int, default=0, help="hashed_ram_sized: at most this many rows"
+    )
+    parser.add_argument("--hashed-sized-rows", type=int, default=0, help=argparse.SUPPRESS)  # the parent's
     parser.add_argument("--eval-samples", type=int, default=1 << 20)
     parser.add_argument("--fit-ids", type=int, default=200_000, help="fits RAM: ids per table")
     parser.add_argument("--fit-steps", type=int, default=100)
@@ -407,7 +603,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.batch, args.tables = 6, 512, 2
-        args.host_rows, args.device_rows, args.mmap_rows = 4000, 2048, 50_000
+        args.host_rows, args.device_rows, args.mmap_rows, args.ram_cap_rows = 4000, 2048, 50_000, 20_000
         args.eval_samples, args.fit_ids, args.fit_steps, args.fit_warmup, args.fit_repeats = (
             1024,
             2000,
@@ -417,7 +613,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         )
     args.only = [p for p in args.only.split(",") if p]
     args.arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(args.arms) - set(OVER_RAM_ARMS)) + sorted(set(args.only) - {"fits_ram", "over_ram"})
+    unknown = sorted(set(args.arms) - set(OVER_RAM_ARMS) - set(OPTIONAL_ARMS)) + sorted(
+        set(args.only) - {"fits_ram", "over_ram"}
+    )
     if unknown:
         parser.error(f"unknown parts or arms: {unknown}")
     return args
