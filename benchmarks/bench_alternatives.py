@@ -66,8 +66,11 @@ against each other arm ``over_ram_vs_<arm>_last_tenth`` (last-tenth samples/s ov
 (``versus.<candidate>.<baseline>``); ``over_ram_cpu_s_per_1k_samples`` of each arm; the shared-row
 fractions and ``hashed_ram_sized_rows_per_table``.
 
+``--repeats N`` runs every larger-than-RAM arm N times in alternating order (A B C, C B A, ...); each arm's
+record then holds the median of its repeats with ``<key>_range`` [min, max] beside it, and ``repeats``.
+
 Usage: python benchmarks/bench_alternatives.py [--only fits_ram,over_ram] [--arms tierrec,mmap,...]
-       [--steps 1700] [--batch 16384] [--dir /tmp/bench_alternatives] [--smoke]
+       [--repeats 2] [--steps 1700] [--batch 16384] [--dir /tmp/bench_alternatives] [--smoke]
 """
 
 from __future__ import annotations
@@ -507,45 +510,86 @@ def over_ram(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         out.update(shared_fractions(args, in_memory))
         if out.get("mmap_shared_row_fraction", 0.0) != 0.0:  # the index must give every id its own row
             raise SystemExit(f"mmap: {out['mmap_shared_row_fraction']} of the ids share a row")
-    arms: dict[str, dict[str, Any]] = {}
-    for arm in args.arms:
-        say(f"over_ram: {arm} ({args.steps} steps of {args.batch})")
+
+    def run(arm: str, repeat: int) -> dict[str, Any]:
+        say(f"over_ram: {arm}, repeat {repeat + 1} of {args.repeats} ({args.steps} steps of {args.batch})")
         record = run_child([__file__, *argv, "--arm", arm])
-        emit({"part": "over_ram", **record})
+        emit({"part": "over_ram", "repeat": repeat, **record})
         say(
             f"over_ram: {arm}: {record['samples_per_s']:,.0f} samples/s (last tenth "
             f"{record['samples_per_s_last_tenth']:,.0f}), auc {record['auc']:.4f}, "
             f"{(record['disk_bytes'] or 0) / 1e9:.2f} GB written"
         )
-        arms[arm] = record
+        return record
+
+    runs = alternate(args.arms, args.repeats, run)  # A B C, C B A, ...: drift hits every arm alike
     if not args.keep:
         shutil.rmtree(args.dir / "vocab", ignore_errors=True)
+    arms = {arm: median_record(records) for arm, records in runs.items()}
     out["over_ram"] = arms
+    out["over_ram_repeats"] = args.repeats
     out["over_ram_cpu_s_per_1k_samples"] = {arm: r["cpu_s_per_1k_samples"] for arm, r in arms.items()}
     out["versus"] = {a: {b: versus(arms[a], arms[b]) for b in arms if b != a} for a in arms}
     for other, ratios in out["versus"].get("tierrec", {}).items():
         for key, value in ratios.items():
+            if key == "last_tenth_pairs":
+                continue
             out[
                 f"over_ram_{key}_vs_{other}" if key != "last_tenth" else f"over_ram_vs_{other}_last_tenth"
             ] = value
     return out
 
 
-def versus(candidate: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float | None]:
-    """One arm against another: last-tenth samples/s ratio, AUC difference, ratios of bytes written to the
-    disk and of CPU seconds per sample (None where a figure is missing or a divisor is 0)."""
+# The figures of an arm's record that are reported as the median of its repeats, with their range.
+MEDIAN_KEYS = (
+    "samples_per_s",
+    "samples_per_s_first_tenth",
+    "samples_per_s_last_tenth",
+    "auc",
+    "logloss",
+    "disk_bytes",
+    "cpu_s_per_1k_samples",
+    "cores_used",
+    "major_faults",
+    "peak_rss_gib",
+)
 
-    def ratio(key: str) -> float | None:
-        a, b = candidate.get(key), baseline.get(key)
+
+def median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """An arm's repeats as one record: the last repeat's, with each of ``MEDIAN_KEYS`` replaced by the
+    median over the repeats and ``<key>_range`` [min, max] beside it; ``repeats`` holds every record."""
+    out = dict(records[-1])
+    for key in MEDIAN_KEYS:
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+            out[f"{key}_range"] = [min(values), max(values)]
+    out["repeats"] = records
+    return out
+
+
+def versus(candidate: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """One arm against another, from their median records: last-tenth samples/s ratio, AUC difference,
+    ratios of bytes written to the disk and of CPU seconds per sample (None where a figure is missing or a
+    divisor is 0); with repeats, ``last_tenth_pairs``: the ratio of each repeat's two runs."""
+
+    def ratio(a: Any, b: Any) -> float | None:
         return a / b if a is not None and b else None
 
     auc_a, auc_b = candidate.get("auc"), baseline.get("auc")
-    return {
-        "last_tenth": ratio("samples_per_s_last_tenth"),
+    out: dict[str, Any] = {
+        "last_tenth": ratio(
+            candidate.get("samples_per_s_last_tenth"), baseline.get("samples_per_s_last_tenth")
+        ),
         "auc": auc_a - auc_b if auc_a is not None and auc_b is not None else None,
-        "disk_bytes": ratio("disk_bytes"),
-        "cpu_per_sample": ratio("cpu_s_per_1k_samples"),
+        "disk_bytes": ratio(candidate.get("disk_bytes"), baseline.get("disk_bytes")),
+        "cpu_per_sample": ratio(candidate.get("cpu_s_per_1k_samples"), baseline.get("cpu_s_per_1k_samples")),
     }
+    pairs = zip(candidate.get("repeats", []), baseline.get("repeats", []), strict=False)
+    ratios = [ratio(a["samples_per_s_last_tenth"], b["samples_per_s_last_tenth"]) for a, b in pairs]
+    if len(ratios) > 1 and None not in ratios:
+        out["last_tenth_pairs"] = ratios
+    return out
 
 
 _ENV: Any = None
@@ -591,6 +635,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--ram-cap-rows", type=int, default=0, help="hashed_ram_sized: at most this many rows"
     )
     parser.add_argument("--hashed-sized-rows", type=int, default=0, help=argparse.SUPPRESS)  # the parent's
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="larger than RAM: runs of every arm, alternating (ABC CBA ...)"
+    )
     parser.add_argument("--eval-samples", type=int, default=1 << 20)
     parser.add_argument("--fit-ids", type=int, default=200_000, help="fits RAM: ids per table")
     parser.add_argument("--fit-steps", type=int, default=100)
@@ -604,6 +651,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.smoke:
         args.steps, args.batch, args.tables = 6, 512, 2
         args.host_rows, args.device_rows, args.mmap_rows, args.ram_cap_rows = 4000, 2048, 50_000, 20_000
+        args.repeats = 2
         args.eval_samples, args.fit_ids, args.fit_steps, args.fit_warmup, args.fit_repeats = (
             1024,
             2000,

@@ -42,6 +42,8 @@ CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
             *(f"over_ram_cpu_s_per_1k_samples.{arm}" for arm in ("tierrec", "hashed_ram_sized", "mmap")),
             "versus.tierrec_fp16.hashed_ram_sized.last_tenth",
             "versus.tierrec_admit2.mmap.disk_bytes",
+            "over_ram.tierrec.samples_per_s_last_tenth_range.1",  # --smoke runs 2 alternating repeats
+            "versus.tierrec.mmap.last_tenth_pairs.1",
         ),
     ),
     "bench_bounded.py": (
@@ -97,8 +99,12 @@ SLOW = {"bench_real_data.py"}
 
 
 def _lookup(record: dict, dotted: str) -> object:
+    """``record``'s value at a dotted path; a part that is a number indexes a list."""
     value: object = record
     for part in dotted.split("."):
+        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+            continue
         assert isinstance(value, dict) and part in value, f"no {dotted!r} in {sorted(record)}"
         value = value[part]
     return value
