@@ -27,7 +27,8 @@ and as its LAST line one JSON object:
 - ``auc_delta``: held-out AUC with admission minus without (``auc_admit``, ``auc_none``, and the log
   losses), the final evaluation of each fit on the same ``--eval-samples`` held-out samples;
 - ``last_tenth_speedup``: samples/s over the last tenth of the log windows (total samples over total time:
-  ``harness.window_rate``) with admission over without
+  ``harness.window_rate``) with admission over without, the median of ``--repeats`` pairs run alternately
+  (none admit, admit none, ...; ``last_tenth_speedup_pairs``, ``_range``)
   (``last_tenth_samples_per_s_admit``, ``_none``).
 
 **expiry** (a stream drifting by ``--drift`` popularity ranks per sample, ``expire_after_steps =
@@ -66,6 +67,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -73,7 +75,7 @@ from typing import Any
 
 import torch
 from bench_scale import stream_overrides
-from harness import emit, last_tenth, machine_info, quiet, window_rate
+from harness import alternate, emit, last_tenth, machine_info, paired_ratios, quiet, window_rate
 from ssd_tier.disk import DiskIo
 from tiered_training.runs import SilentProgress
 
@@ -261,9 +263,23 @@ def ratio(a: float, b: float) -> float | None:
 def admission(args: argparse.Namespace) -> dict[str, Any]:
     """The admission pair: ``admit_after`` against no bounds, on the held-out split of ``--eval-samples``."""
     held_out = [f"synthetic.eval_samples={args.eval_samples}"]
-    none = run_arm(args, "admission_none", held_out)
-    admit = run_arm(args, "admission_admit", [*held_out, *bounds(admit_after=args.admit_after)])
+    overrides = {"none": held_out, "admit": [*held_out, *bounds(admit_after=args.admit_after)]}
+    runs = alternate(
+        list(overrides), args.repeats, lambda name, _: run_arm(args, f"admission_{name}", overrides[name])
+    )
+    # Rows and AUC are the same in every repeat (the same model); the speed is the median pair.
+    for name, rs in runs.items():
+        if len({(r["rows_end"], r["auc"]) for r in rs}) > 1:
+            raise SystemExit(f"admission_{name}: the repeats trained different models")
+    none, admit = runs["none"][0], runs["admit"][0]
+    speed = paired_ratios(
+        [r["last_tenth_samples_per_s"] for r in runs["admit"]],
+        [r["last_tenth_samples_per_s"] for r in runs["none"]],
+    )
     return {
+        "repeats": args.repeats,
+        "last_tenth_speedup_pairs": speed["ratios"],
+        "last_tenth_speedup_range": [min(speed["ratios"]), max(speed["ratios"])],
         "admit_after": args.admit_after,
         "eval_samples": args.eval_samples,
         "rows_ratio": ratio(admit["rows_end"], none["rows_end"]),
@@ -286,9 +302,13 @@ def admission(args: argparse.Namespace) -> dict[str, Any]:
         "auc_none": none["auc"],
         "logloss_admit": admit["logloss"],
         "logloss_none": none["logloss"],
-        "last_tenth_speedup": ratio(admit["last_tenth_samples_per_s"], none["last_tenth_samples_per_s"]),
-        "last_tenth_samples_per_s_admit": admit["last_tenth_samples_per_s"],
-        "last_tenth_samples_per_s_none": none["last_tenth_samples_per_s"],
+        "last_tenth_speedup": speed["median"],
+        "last_tenth_samples_per_s_admit": statistics.median(
+            r["last_tenth_samples_per_s"] for r in runs["admit"]
+        ),
+        "last_tenth_samples_per_s_none": statistics.median(
+            r["last_tenth_samples_per_s"] for r in runs["none"]
+        ),
         "wall_s_admit": admit["wall_s"],
         "wall_s_none": none["wall_s"],
     }
@@ -357,6 +377,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--device-rows", type=int, default=262_144, help="device-tier slots per table")
     parser.add_argument("--eval-samples", type=int, default=1_048_576, help="admission's held-out split")
     parser.add_argument("--admit-after", type=int, default=2)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="admission: pairs run alternately (none admit, admit none, ...)",
+    )
     parser.add_argument("--drift", type=float, default=2e-3, help="expiry: ranks drifted per sample")
     parser.add_argument("--expire-after", type=int, default=None, help="expiry (default: a fifth of --steps)")
     parser.add_argument("--expiry-admit-after", type=int, default=1, help="admit_after of both expiry arms")

@@ -53,6 +53,7 @@ CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
             "disk_bytes_ratio",
             "auc_delta",
             "last_tenth_speedup",
+            "last_tenth_speedup_pairs.1",  # 2 alternating pairs by default
             "rows_growth_second_half_expire",
             "rows_growth_second_half_none",
             "cap_max_rows",
