@@ -170,3 +170,30 @@ def test_every_program_rates_a_tenth_as_total_samples_over_total_time():
     assert first_tenth(25) == slice(0, 2) and last_tenth(25) == slice(23, 25)
     assert window_rate(many, 0, part=last_tenth(25)) == pytest.approx(10 / (5 / 24 + 5 / 25))
     assert window_rate(many, 0, part=first_tenth(1)) == pytest.approx(1.0)
+
+
+def test_record_keeps_a_programs_last_line_with_its_commit(tmp_path):
+    """benchmarks/record.py: the JSON line a program ends with, kept with the commit and the date."""
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "record.py"), "bench_pipeline_core.py", "--smoke"]
+        + ["--results", str(results), "--allow-dirty"],
+        cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = results.glob("bench_pipeline_core_*.json")
+    record = json.loads(path.read_text())
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert record["commit"].removesuffix("+dirty") == head.stdout.strip()
+    assert record["argv"] == ["--smoke"] and record["exit_code"] == 0
+    last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
+    assert record["result"] == json.loads(last)
+    refused = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "record.py"), "no_such.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "not a benchmark program" in refused.stderr
