@@ -31,15 +31,15 @@ a child process of its own, one after the other, its files deleted when measured
 - ``mmap``: ``store.tiered = false``, one row per distinct id of the training stream, as a user who maps
   a table would keep it: an id-to-row index in RAM (each table's distinct ids as one sorted array, looked up
   with ``searchsorted``; ``index_gib`` in the record, counted in its RSS), held-out ids the index lacks share
-  one extra row. The parent writes the index (``<dir>/vocab``) while it replays the stream, and the arm reads
-  its data through the factory :func:`vocab_stream` (``data.source``). At the defaults the file is 102 M rows
-  of 256 bytes, 24.3 GiB, more than a 23.5 GiB machine's memory;
+  one extra row. The parent writes the index (``<dir>/vocab``) while it replays the stream, and the arm
+  reads its data through the factory ``alternatives.placement.vocab_stream`` (``data.source``). At the
+  defaults the file is 102 M rows of 256 bytes, 24.3 GiB, more than a 23.5 GiB machine's memory;
 - ``mmap_folded`` (not run unless named): the same mapping with ids folded into ``--mmap-rows`` rows per
   table, the mapped arm of the first recorded run (12.5 M rows a table: 100 M rows, 23.8 GiB).
-  Both mapped arms put FBGEMM's weights over one file-backed shared mapping (``torch.from_file``, FBGEMM's ``preallocated_host_buffers``)
-  with ``madvise(MADV_RANDOM)`` for training (``MADV_SEQUENTIAL`` while the rows are initialised); the
-  page cache is its cache and the kernel's dirty-page write-back its write path, at the machine's
-  ``vm.dirty_*`` settings (reported). Differs from tierrec in: the row-wise
+  Both mapped arms put FBGEMM's weights over one file-backed shared mapping (``torch.from_file``,
+  FBGEMM's ``preallocated_host_buffers``) with ``madvise(MADV_RANDOM)`` for training (``MADV_SEQUENTIAL``
+  while the rows are initialised); the page cache is its cache and the kernel's dirty-page write-back its
+  write path, at the machine's ``vm.dirty_*`` settings (reported). Differs from tierrec in: the row-wise
   Adagrad state stays in RAM (4 bytes a row), and TorchRec's and our initialisation write every row of the
   file before training (``init_s``, ``init_disk_bytes``; not counted in the fit).
 
@@ -76,9 +76,6 @@ Usage: python benchmarks/bench_alternatives.py [--only fits_ram,over_ram] [--arm
 from __future__ import annotations
 
 import argparse
-import ctypes
-import dataclasses
-import json
 import os
 import resource
 import shutil
@@ -89,7 +86,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+from alternatives.compare import median_record, versus
+from alternatives.mapped import MADV_RANDOM, MappedWeights, meminfo_kib, vm_dirty_settings
+from alternatives.placement import VOCAB_ENV, ram_sized_rows, shared_fractions, vocab_files
 from bench_scale import stream_overrides
 from harness import (
     RssPeak,
@@ -116,78 +115,10 @@ OVER_RAM_ARMS = ("tierrec", "tierrec_fp16", "tierrec_admit2", "hashed_ram", "has
 OPTIONAL_ARMS = ("mmap_folded",)
 FOLDING_ARMS = ("hashed_ram", "hashed_ram_sized", "mmap_folded")  # ids modulo the arm's rows
 MAPPED_ARMS = ("mmap", "mmap_folded")
-VOCAB_ENV = "BENCH_ALTERNATIVES_VOCAB"  # the folder holding the mmap arm's index (vocab/), for vocab_stream
-MADV_RANDOM, MADV_SEQUENTIAL, MS_SYNC = 1, 2, 4
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.madvise.argtypes = _LIBC.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def say(text: str) -> None:
     print(f"[bench_alternatives {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-# -- the memory-mapped table ---------------------------------------------------------------------------
-
-
-class _Buffers(dict):  # type: ignore[type-arg]
-    """FBGEMM's ``preallocated_host_buffers``, passed through TorchRec's fused parameters: TorchRec groups
-    tables by those (so they must hash) and copies them per table (so a copy must be the same object, or
-    each table would get its own group and the file would be copied into memory)."""
-
-    __hash__ = object.__hash__
-
-    def __copy__(self) -> _Buffers:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Buffers:
-        return self
-
-
-class MappedWeights:
-    """Builds the weights of the in-memory tables over one file (``TrainSpec.fused_params``)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.weights: torch.Tensor | None = None
-
-    def __call__(self, tables: list[Any]) -> dict[str, Any]:
-        total = sum(t.num_embeddings * t.embedding_dim for t in tables)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.weights = torch.from_file(str(self.path), shared=True, size=total, dtype=torch.float32)
-        self.advise(MADV_SEQUENTIAL)  # the initialisation writes every row in order: read ahead for it
-        return {"preallocated_host_buffers": _Buffers(weights=self.weights)}
-
-    def advise(self, advice: int) -> None:
-        """``madvise`` the whole mapping (MADV_RANDOM for training: no read-ahead around a fault)."""
-        assert self.weights is not None
-        if _LIBC.madvise(self.weights.data_ptr(), self.weights.numel() * 4, advice) != 0:
-            raise OSError(ctypes.get_errno(), f"madvise({advice}) failed")
-
-    def msync(self) -> None:
-        """Write the mapping's dirty pages to the file and wait for them (the model made durable)."""
-        assert self.weights is not None
-        if _LIBC.msync(self.weights.data_ptr(), self.weights.numel() * 4, MS_SYNC) != 0:
-            raise OSError(ctypes.get_errno(), "msync failed")
-
-
-def vm_dirty_settings() -> dict[str, int]:
-    """The kernel's dirty-page write-back settings (``/proc/sys/vm/dirty_*``)."""
-    out = {}
-    for p in sorted(Path("/proc/sys/vm").glob("dirty_*")):
-        try:
-            out[p.name] = int(p.read_text().split()[0])
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def meminfo_kib(*fields: str) -> dict[str, int]:
-    out = dict.fromkeys(fields, 0)
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key = line.split(":", 1)[0]
-        if key in out:
-            out[key] = int(line.split()[1])
-    return out
 
 
 # -- one arm, in a child process ------------------------------------------------------------------------
@@ -224,65 +155,9 @@ def arm_overrides(args: argparse.Namespace, arm: str) -> list[str]:
         return [
             "store.tiered=false",
             f"sparse.max_rows_per_table={rows}",
-            "data.source=bench_alternatives:vocab_stream",
+            "data.source=alternatives.placement:vocab_stream",
         ]
     raise ValueError(f"unknown arm {arm!r}")
-
-
-def vocab_files(root: Path) -> list[Path]:
-    return sorted((root / "vocab").glob("table_*.npy"), key=lambda p: int(p.stem.split("_")[1]))
-
-
-class VocabStream:
-    """bench_scale's stream with each table's ids looked up in the table's sorted distinct training ids
-    (an id-to-row index such as a user of a mapped table builds): row = the id's rank, and ids the index
-    lacks (held-out only) share the row past the last. Implements the Dataset protocol."""
-
-    def __init__(self, data: Any, vocab: list[np.ndarray]) -> None:
-        self.data = data
-        self.vocab = vocab  # per table, (V_t,) int64 sorted
-
-    @property
-    def feature_names(self) -> list[str]:
-        return list(self.data.feature_names)
-
-    @property
-    def id_spaces(self) -> list[int]:
-        return [v.shape[0] + 1 for v in self.vocab]
-
-    @property
-    def num_dense(self) -> int:
-        return int(self.data.num_dense)
-
-    def split_stats(self) -> Any:
-        return self.data.split_stats()
-
-    def _rows(self, batch: Any) -> Any:
-        from recsys.routing import values_by_feature, with_values
-
-        rows = {}
-        for name, values in values_by_feature(batch.sparse).items():
-            vocab = self.vocab[self.feature_names.index(name)]
-            ids = values.numpy()
-            at = np.minimum(np.searchsorted(vocab, ids), vocab.shape[0] - 1)
-            rows[name] = torch.from_numpy(np.where(vocab[at] == ids, at, vocab.shape[0]))
-        return with_values(batch, rows)
-
-    def train_batches(self, **kwargs: Any) -> Any:
-        return (self._rows(b) for b in self.data.train_batches(**kwargs))
-
-    def eval_batches(self, **kwargs: Any) -> Any:
-        return (self._rows(b) for b in self.data.eval_batches(**kwargs))
-
-
-def vocab_stream(config: Any, *, seed: int) -> VocabStream:
-    """The mmap arm's dataset (``data.source = "bench_alternatives:vocab_stream"``): the stream its parent
-    replayed, from ``$BENCH_ALTERNATIVES_VOCAB/vocab`` (``synthetic.json`` and one ``table_<t>.npy`` per table)."""
-    from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
-
-    root = Path(os.environ[VOCAB_ENV])
-    synthetic = SyntheticConfig(**json.loads((root / "vocab" / "synthetic.json").read_text()))
-    return VocabStream(SyntheticCriteo(synthetic, seed=seed), [np.load(f) for f in vocab_files(root)])
 
 
 def folded_rows(args: argparse.Namespace, arm: str) -> int:
@@ -293,66 +168,6 @@ def folded_rows(args: argparse.Namespace, arm: str) -> int:
         assert args.hashed_sized_rows > 0, "sized by the parent (ram_sized_rows)"
         return args.hashed_sized_rows
     return args.mmap_rows
-
-
-def ram_sized_rows(args: argparse.Namespace) -> dict[str, Any]:
-    """Rows per table for ``hashed_ram_sized``: ``--ram-share`` of MemAvailable now, less the reserve, over
-    the tables' row bytes; capped by ``--ram-cap-rows`` (0: no cap)."""
-    from recsys.tiered import row_bytes
-
-    cfg = config_from_dict({}, base_overrides(args, args.dir, args.steps))
-    table_row_bytes = row_bytes(cfg.sparse, cfg.model.embedding_dim)
-    available = meminfo_kib("MemAvailable")["MemAvailable"] * 1024
-    budget = args.ram_share * available - args.ram_reserve_gib * 2**30
-    rows = max(1, int(budget // (args.tables * table_row_bytes)))
-    capped = min(rows, args.ram_cap_rows) if args.ram_cap_rows else rows
-    return {
-        "hashed_ram_sized_rows_per_table": capped,
-        "hashed_ram_sized_rows_uncapped": rows,
-        "hashed_ram_sized_gib": capped * args.tables * table_row_bytes / 2**30,
-        "mem_available_gib_at_start": available / 2**30,
-        "row_bytes": table_row_bytes,
-    }
-
-
-def shared_fractions(args: argparse.Namespace, arms: list[str]) -> dict[str, float]:
-    """Replay the training stream's ids and fold them as each of ``arms`` does: the share of distinct ids
-    whose row another id shares, and of lookups that read such a row (all tables together)."""
-    from recsys.data.synthetic import SyntheticCriteo
-
-    cfg = config_from_dict({}, base_overrides(args, args.dir, args.steps))
-    data = SyntheticCriteo(cfg.synthetic, seed=cfg.train.seed)
-    draws: list[list[np.ndarray]] = [[] for _ in range(args.tables)]
-    for step in range(args.steps):
-        block = data.sample_block(np.arange(step * args.batch, (step + 1) * args.batch, dtype=np.uint64))
-        for table, jagged in enumerate(block.ids):
-            draws[table].append(jagged.values)
-    shared_ids = {arm: 0 for arm in arms}
-    shared_lookups = {arm: 0 for arm in arms}
-    distinct_total = lookups_total = 0
-    vocab = args.dir / "vocab"
-    if "mmap" in arms:  # the mmap arm's id-to-row index: each table's distinct training ids, sorted
-        shutil.rmtree(vocab, ignore_errors=True)
-        vocab.mkdir(parents=True)
-        (vocab / "synthetic.json").write_text(json.dumps(dataclasses.asdict(cfg.synthetic)))
-    for table in range(args.tables):
-        ids, counts = np.unique(np.concatenate(draws[table]), return_counts=True)
-        draws[table] = []
-        distinct_total += ids.size
-        lookups_total += int(counts.sum())
-        if "mmap" in arms:
-            np.save(vocab / f"table_{table}.npy", ids)
-        for arm in arms:
-            rows = np.searchsorted(ids, ids) if arm == "mmap" else ids % folded_rows(args, arm)
-            _, row_of, per_row = np.unique(rows, return_inverse=True, return_counts=True)
-            shared = per_row[row_of] >= 2  # (distinct ids,)
-            shared_ids[arm] += int(shared.sum())
-            shared_lookups[arm] += int(counts[shared].sum())
-    out: dict[str, float] = {"stream_distinct_ids": distinct_total}
-    for arm in arms:
-        out[f"{arm}_shared_row_fraction"] = shared_ids[arm] / distinct_total
-        out[f"{arm}_shared_lookup_fraction"] = shared_lookups[arm] / lookups_total
-    return out
 
 
 def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
@@ -500,14 +315,19 @@ def fits_ram(args: argparse.Namespace) -> dict[str, Any]:
 
 def over_ram(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    cfg = config_from_dict({}, base_overrides(args, args.dir, args.steps))
     if "hashed_ram_sized" in args.arms:
-        out.update(ram_sized_rows(args))
+        available = meminfo_kib("MemAvailable")["MemAvailable"] * 1024
+        sizing = dict(share=args.ram_share, reserve_gib=args.ram_reserve_gib, cap_rows=args.ram_cap_rows)
+        out.update(ram_sized_rows(cfg, available, **sizing))
         args.hashed_sized_rows = out["hashed_ram_sized_rows_per_table"]
         argv = [*argv, "--hashed-sized-rows", str(args.hashed_sized_rows)]
     in_memory = [a for a in args.arms if a in FOLDING_ARMS or a == "mmap"]
     if in_memory:
         say(f"over_ram: replaying the stream's ids to place them as {', '.join(in_memory)} do")
-        out.update(shared_fractions(args, in_memory))
+        rows = {a: None if a == "mmap" else folded_rows(args, a) for a in in_memory}
+        index = args.dir if "mmap" in in_memory else None
+        out.update(shared_fractions(cfg, steps=args.steps, batch=args.batch, rows=rows, index_root=index))
         if out.get("mmap_shared_row_fraction", 0.0) != 0.0:  # the index must give every id its own row
             raise SystemExit(f"mmap: {out['mmap_shared_row_fraction']} of the ids share a row")
 
@@ -537,58 +357,6 @@ def over_ram(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             out[
                 f"over_ram_{key}_vs_{other}" if key != "last_tenth" else f"over_ram_vs_{other}_last_tenth"
             ] = value
-    return out
-
-
-# The figures of an arm's record that are reported as the median of its repeats, with their range.
-MEDIAN_KEYS = (
-    "samples_per_s",
-    "samples_per_s_first_tenth",
-    "samples_per_s_last_tenth",
-    "auc",
-    "logloss",
-    "disk_bytes",
-    "cpu_s_per_1k_samples",
-    "cores_used",
-    "major_faults",
-    "peak_rss_gib",
-)
-
-
-def median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """An arm's repeats as one record: the last repeat's, with each of ``MEDIAN_KEYS`` replaced by the
-    median over the repeats and ``<key>_range`` [min, max] beside it; ``repeats`` holds every record."""
-    out = dict(records[-1])
-    for key in MEDIAN_KEYS:
-        values = [r[key] for r in records if r.get(key) is not None]
-        if values:
-            out[key] = statistics.median(values)
-            out[f"{key}_range"] = [min(values), max(values)]
-    out["repeats"] = records
-    return out
-
-
-def versus(candidate: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """One arm against another, from their median records: last-tenth samples/s ratio, AUC difference,
-    ratios of bytes written to the disk and of CPU seconds per sample (None where a figure is missing or a
-    divisor is 0); with repeats, ``last_tenth_pairs``: the ratio of each repeat's two runs."""
-
-    def ratio(a: Any, b: Any) -> float | None:
-        return a / b if a is not None and b else None
-
-    auc_a, auc_b = candidate.get("auc"), baseline.get("auc")
-    out: dict[str, Any] = {
-        "last_tenth": ratio(
-            candidate.get("samples_per_s_last_tenth"), baseline.get("samples_per_s_last_tenth")
-        ),
-        "auc": auc_a - auc_b if auc_a is not None and auc_b is not None else None,
-        "disk_bytes": ratio(candidate.get("disk_bytes"), baseline.get("disk_bytes")),
-        "cpu_per_sample": ratio(candidate.get("cpu_s_per_1k_samples"), baseline.get("cpu_s_per_1k_samples")),
-    }
-    pairs = zip(candidate.get("repeats", []), baseline.get("repeats", []), strict=False)
-    ratios = [ratio(a["samples_per_s_last_tenth"], b["samples_per_s_last_tenth"]) for a, b in pairs]
-    if len(ratios) > 1 and None not in ratios:
-        out["last_tenth_pairs"] = ratios
     return out
 
 
