@@ -6,7 +6,9 @@ ratios (candidate speed / baseline speed, higher is better):
 - remap_vs_unique: ``make_resident`` (+ ``release``) of an all-hit batch of 400k Zipf ids (62-bit
   hashed, unbounded table) vs ``torch.unique(ids, return_inverse=True)`` on the same ids.
 - ssd_read_vs_lmdb: ``prefetch`` of 10k rows that live only in LMDB vs raw py-lmdb ``getmulti`` of the
-  same keys (sorted, encoded) in another environment holding the same rows; both warm.
+  same keys (sorted, encoded) in another environment holding the same rows; both warm. The store uses
+  its default log layout (a row is read with its whole block); ``ssd_read_vs_lmdb_btree`` the same with
+  the B-tree layout (a row per key, as the baseline stores them).
 - writeback_vs_lmdb: ``evict`` + ``wait_for_writes`` of 10k updated device rows (host tier of 0 rows,
   so they go device -> writer -> LMDB) vs raw py-lmdb ``putmulti`` of the same rows in one transaction.
 - host_gather_vs_index_select: ``read_rows`` of 100k ids held by the host tier (id -> arena lookup and
@@ -126,12 +128,14 @@ def bench_remap(root: Path) -> float:
     return report("remap_vs_unique", base, cand, ids.shape[0])
 
 
-def populate(root: Path, num_rows: int, rng: np.random.Generator) -> tuple[np.ndarray, Path, Path]:
-    """The same ``num_rows`` rows in a store directory and in a raw LMDB environment."""
+def populate(
+    root: Path, num_rows: int, rng: np.random.Generator, *, layout: str = "log"
+) -> tuple[np.ndarray, Path, Path]:
+    """The same ``num_rows`` rows in a store directory (``layout``) and in a raw LMDB environment."""
     ids = np.unique(hashed(rng.integers(0, 1 << 40, size=num_rows)))
     rows = rng.standard_normal((ids.shape[0], SPEC.row_floats)).astype(np.float32)
     store_dir, raw_dir = root / "store", root / "raw"
-    options = LmdbOptions(initial_map_size_bytes=1 << 34)
+    options = LmdbOptions(initial_map_size_bytes=1 << 34, layout=layout)
     store_dir.mkdir(parents=True)
     with_backend = open_backend(store_dir.absolute(), options=options, seed=0, tables=[SPEC])
     with_backend.put_rows([("t", ids, rows)])
@@ -151,9 +155,11 @@ def warm(env: lmdb.Environment, db: object, ids: np.ndarray) -> None:
         txn.cursor().getmulti(encode_keys(ids))
 
 
-def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
+def bench_ssd_and_writeback(root: Path, *, layout: str = "log") -> tuple[float, float | None]:
+    """``ssd_read_vs_lmdb`` and ``writeback_vs_lmdb`` of a store of ``layout``; the B-tree layout's reads
+    only (``ssd_read_vs_lmdb_btree``: rows keyed one by one, as the raw baseline keys them)."""
     rng = np.random.default_rng(1)
-    ids, store_dir, raw_dir = populate(root / "ssd", SIZE.stored_rows, rng)
+    ids, store_dir, raw_dir = populate(root / f"ssd_{layout}", SIZE.stored_rows, rng, layout=layout)
     env = lmdb.open(str(raw_dir), max_dbs=2, **LMDB_KW)
     db = env.open_db(b"t")
     warm(env, db, ids)
@@ -168,7 +174,7 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
         seed=0,
         device_capacity_rows=SIZE.set_rows,
         host_capacity_rows=SIZE.stored_rows,
-        lmdb=LmdbOptions(initial_map_size_bytes=1 << 34),
+        lmdb=LmdbOptions(initial_map_size_bytes=1 << 34, layout=layout),
     )
     with TieredStore(store_dir, config=config, tables=[SPEC]) as store:
         for chunk in np.array_split(ids, 20):  # warm the store's pages too
@@ -183,7 +189,11 @@ def bench_ssd_and_writeback(root: Path) -> tuple[float, float]:
         times = alternate(PAIR, len(sets), read)
         assert store.stats().resident_rows["t"][Tier.HOST] == SIZE.sets * SIZE.set_rows
         store.close(flush=False)
-    ssd = report("ssd_read_vs_lmdb", times["baseline"], times["store"], SIZE.set_rows)
+    name = "ssd_read_vs_lmdb" if layout == "log" else f"ssd_read_vs_lmdb_{layout}"
+    ssd = report(name, times["baseline"], times["store"], SIZE.set_rows)
+    if layout != "log":
+        env.close()
+        return ssd, None
 
     config = StoreConfig(
         seed=0,
@@ -381,6 +391,7 @@ def main() -> None:
             return
         ratios = {"remap_vs_unique": bench_remap(args.dir)}
         ratios["ssd_read_vs_lmdb"], ratios["writeback_vs_lmdb"] = bench_ssd_and_writeback(args.dir)
+        ratios["ssd_read_vs_lmdb_btree"], _ = bench_ssd_and_writeback(args.dir, layout="btree")
         ratios["host_gather_vs_index_select"] = bench_host_gather(args.dir)
         emit(ratios, digits=3)
     finally:
