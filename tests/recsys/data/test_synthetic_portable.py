@@ -20,6 +20,7 @@ import pytest
 
 from recsys.data import portable_math
 from recsys.data.synthetic import SyntheticCriteo
+from tests.conftest import ROOT
 
 
 def stream_digest(data: SyntheticCriteo, steps: list[int], batch_size: int, split: str = "train") -> str:
@@ -96,11 +97,10 @@ def _dispatch_levels() -> list[list[str]]:
 
 def _run_child(code: str, disabled: list[str]) -> dict:
     env = dict(os.environ, NPY_DISABLE_CPU_FEATURES=" ".join(disabled))
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
-        cwd=root,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
