@@ -6,7 +6,8 @@ runs ``benchmarks/<program>`` with those flags (its output shown as it comes), t
 the JSON result every program ends with, to ``benchmarks/results/<program>_<UTC date-time>_<commit>.json``
 as ``{"program", "argv", "commit", "date", "exit_code", "result"}``. A result names the commit it measured,
 so a tree with uncommitted changes to tracked files is refused (``--allow-dirty`` records it anyway, the
-commit marked ``+dirty``). ``--results DIR`` writes elsewhere. Exits with the program's exit code.
+commit marked ``+dirty``), and so is a run that failed (nothing is written). ``--results DIR`` writes
+elsewhere. Exits with the program's exit code.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def main(argv: list[str]) -> int:
         if line.strip():
             last = line
     code = proc.wait()
+    if code != 0:
+        print(f"record: {args.program} exited with {code}; nothing recorded", file=sys.stderr)
+        return code
     try:
         result = json.loads(last)
     except json.JSONDecodeError:
