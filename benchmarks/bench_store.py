@@ -7,7 +7,7 @@ ratios (candidate speed / baseline speed, higher is better):
   hashed, unbounded table) vs ``torch.unique(ids, return_inverse=True)`` on the same ids.
 - ssd_read_vs_lmdb: ``prefetch`` of 10k rows that live only in LMDB vs raw py-lmdb ``getmulti`` of the
   same keys (sorted, encoded) in another environment holding the same rows; both warm. The store uses
-  its default log layout (a row is read with its whole block); ``ssd_read_vs_lmdb_btree`` the same with
+  its default log layout (a row is found through its block); ``ssd_read_vs_lmdb_btree`` the same with
   the B-tree layout (a row per key, as the baseline stores them).
 - writeback_vs_lmdb: ``evict`` + ``wait_for_writes`` of 10k updated device rows (host tier of 0 rows,
   so they go device -> writer -> LMDB) vs raw py-lmdb ``putmulti`` of the same rows in one transaction.

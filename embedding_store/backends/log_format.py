@@ -16,6 +16,7 @@ from embedding_store.errors import StoreCorruptError
 __all__ = [
     "BLOCK_BYTES",
     "CAPPED_MIN_SEGMENT_ROWS",
+    "JOIN_BLOCKS",
     "RUN_IDS",
     "Geometry",
     "blocks_of",
@@ -34,6 +35,8 @@ RUN_IDS = 240
 # while it copies the value, holding the interpreter lock, so cold reads would fault one at a time, and
 # dropping a segment would read every one of its overflow pages.
 BLOCK_BYTES = 2016
+# Blocks joined into one buffer at once when rows are taken out of them (rows_of_blocks): ~2 MB.
+JOIN_BLOCKS = 1024
 # The smallest segment of a table with a row cap (Geometry.capped): bounds the segments of small tables.
 CAPPED_MIN_SEGMENT_ROWS = 2048
 
@@ -101,10 +104,14 @@ class Geometry:
 
 
 def rows_of_blocks(
-    values: Sequence[bytes | None], inverse: np.ndarray, slots: np.ndarray, spec: TableSpec
+    values: Sequence[bytes | memoryview | None], inverse: np.ndarray, slots: np.ndarray, spec: TableSpec
 ) -> np.ndarray:
-    """Rows ``slots`` of blocks ``inverse`` (indexes into ``values``; None: a block that was not found)
-    as an (N, R) float32 array."""
+    """Rows ``slots`` of blocks ``inverse`` (ascending indexes into ``values``; None: a block that was not
+    found) as an (N, R) float32 array.
+
+    The blocks are joined ``JOIN_BLOCKS`` at a time: each join stays in reused heap memory, where one join
+    of 10,000 blocks (18 MB) maps fresh pages and faults on every one of them (that fault cost more than
+    the reads themselves, docs/performance.md, store primitives)."""
     try:
         lens = np.fromiter(map(len, values), dtype=np.int64, count=len(values))  # type: ignore[arg-type]
     except TypeError:  # len(None)
@@ -116,10 +123,14 @@ def rows_of_blocks(
         raise StoreCorruptError(f"table {spec.name!r}: a log block of unexpected size")
     start = np.zeros(len(values), dtype=np.int64)
     np.cumsum(rows_in[:-1], out=start[1:])
-    flat = np.frombuffer(b"".join(cast("Sequence[bytes]", values)), dtype=np.float32).reshape(
-        -1, spec.row_floats
-    )
-    return flat[start[inverse] + slots]
+    out = np.empty((inverse.shape[0], spec.row_floats), dtype=np.float32)
+    blocks = cast("Sequence[bytes]", values)
+    for a in range(0, len(values), JOIN_BLOCKS):
+        i, j = np.searchsorted(inverse, [a, a + JOIN_BLOCKS])
+        if i < j:
+            flat = np.frombuffer(b"".join(blocks[a : a + JOIN_BLOCKS]), dtype=np.float32)
+            out[i:j] = flat.reshape(-1, spec.row_floats)[start[inverse[i:j]] - start[a] + slots[i:j]]
+    return out
 
 
 def split_segments(seqs: np.ndarray, segment: int) -> list[tuple[int, int]]:

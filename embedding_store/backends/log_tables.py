@@ -26,7 +26,8 @@ its drop is a newer record of the same row (same bytes), and its old segment is 
 
 Reads sort the ids' sequence numbers (a segment's blocks in file order) and read each block holding one
 once, in runs over the backend's reader pool: a page read per cold row (blocks are leaf values, so LMDB
-faults outside the interpreter lock and the runs' faults are in flight together). Compaction asks for a
+faults outside the interpreter lock and the runs' faults are in flight together). A run views its blocks
+in the map and copies out only the rows asked for, inside its transaction. Compaction asks for a
 segment's pages ahead of its reads (:mod:`~embedding_store.backends.readahead`). This module is handed
 the environment; LMDB's errors are mapped by :mod:`~embedding_store.backends.log`.
 """
@@ -146,17 +147,18 @@ class LogTables(LogCompaction):
     def _read(self, t: Table, ordered: np.ndarray) -> np.ndarray:
         """Rows of ascending sequence numbers (the caller holds the shared lock)."""
         inverse, keys, seg_of, seg_bounds = t.geo.plan(ordered)
-        values: list[bytes | None] = []
+        out = np.empty((ordered.shape[0], t.spec.row_floats), dtype=np.float32)
+        slots = ordered % t.geo.block
         step = max(1, self._io.unmap_every or len(keys))
         for lo in range(0, len(keys), step):  # the mapped pages are dropped between chunks (bounded RSS)
             hi = min(len(keys), lo + step)
             runs = self._readers.runs(hi - lo)
             bounds = sorted({b for b in seg_bounds if lo < b < hi} | {lo, hi} | {lo + r.start for r in runs})
             pieces = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-            got = self._readers.map(functools.partial(self._read_blocks, t, keys, seg_of), pieces)
+            read = functools.partial(self._read_blocks, t, (keys, seg_of, inverse, slots), out)
+            self._readers.map(read, pieces)
             self._io.count_read(hi - lo)
-            values.extend(v for run in got for v in run)
-        return rows_of_blocks(values, inverse, ordered % t.geo.block, t.spec)
+        return out
 
     def _read_span(self, t: Table, seg: int, ordered: np.ndarray) -> np.ndarray:
         """Rows of ascending sequence numbers of segment ``seg`` (the caller holds the shared lock), read by
@@ -213,12 +215,23 @@ class LogTables(LogCompaction):
             raise missing
         return rows_of_blocks(values, np.searchsorted(need, numbers), ordered % t.geo.block, t.spec)
 
-    def _read_blocks(self, t: Table, keys: list[bytes], seg_of: np.ndarray, run: slice) -> list[bytes | None]:
-        # A get per key: py-lmdb's getmulti also builds a (key, value) tuple and a key copy per key, and
-        # costs more than this loop.
-        with self._env.begin(db=t.segs[int(seg_of[run.start])]) as txn:
+    def _read_blocks(
+        self,
+        t: Table,
+        plan: tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray],
+        out: np.ndarray,
+        run: slice,
+    ) -> None:
+        """Rows of the blocks ``keys[run]`` (one segment's) into their rows of ``out``: a ``get`` per block
+        in a ``buffers=True`` transaction, so a block is not copied out of the map before its rows are.
+        (py-lmdb's getmulti also builds a (key, value) tuple and a key copy per key, and costs more than
+        this loop.)"""
+        keys, seg_of, inverse, slots = plan
+        i, j = np.searchsorted(inverse, [run.start, run.stop])
+        with self._env.begin(db=t.segs[int(seg_of[run.start])], buffers=True) as txn:
             get = txn.get
-            return [get(key) for key in keys[run]]
+            values = [get(key) for key in keys[run]]  # views of the map: valid until the txn ends
+            out[i:j] = rows_of_blocks(values, inverse[i:j] - run.start, slots[i:j], t.spec)
 
     def scan(self, table: str, *, after: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``limit`` stored rows with id > ``after``, ascending ids: ((n,) ids, (n, R) rows)."""

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from embedding_store import LmdbOptions, OptimizerKind, StoreCorruptError, StoreFullError, TableSpec
+from embedding_store.backends import log_format, open_backend
 from embedding_store.backends import log_tables as lmdb_log
-from embedding_store.backends import open_backend
 from embedding_store.backends.btree import BTreeBackend
 from embedding_store.backends.log import LogBackend
 from embedding_store.backends.log_format import Geometry, runs_name, segment_name
@@ -422,6 +422,35 @@ def test_compaction_walks_multi_block_segments_in_chunks(
     backend.close()
     backend = open_backend(tmp_path / "env", options=_options(), seed=0, tables=[WIDE])
     oracle.check(backend, "w", everything)
+    backend.close()
+
+
+@pytest.mark.parametrize(("threads", "join_blocks"), [(1, 1024), (1, 3), (4, 2)])
+def test_reads_take_rows_out_of_blocks_joined_a_few_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int, join_blocks: int
+) -> None:
+    """A read takes each row out of its block inside the read's transaction (the block viewed in the map,
+    not copied), joining ``JOIN_BLOCKS`` blocks at a time: rows of many blocks and segments, read whole,
+    in pieces, in any order and with ids that were never written, equal a dict oracle's, on one reader
+    thread and split over several."""
+    monkeypatch.setattr(log_format, "JOIN_BLOCKS", join_blocks)
+    backend = open_backend(
+        tmp_path / "env", options=_options(read_threads=threads, read_split="always"), seed=0, tables=[WIDE]
+    )
+    rng, oracle = np.random.default_rng(5), _Oracle()
+    oracle.rows["w"] = {}
+    for _ in range(40):  # every write starts a block: blocks of 1..5 rows over many segments
+        ids = np.unique(rng.integers(0, 300, size=int(rng.integers(1, 12)))).astype(np.int64) * 7
+        rows = rng.standard_normal((ids.shape[0], WIDE.row_floats)).astype(np.float32)
+        backend.put_rows([("w", ids, rows)])
+        oracle.put("w", ids, rows)
+    stored = np.array(sorted(oracle.rows["w"]), dtype=np.int64)
+    assert len(backend.log._tables["w"].segs) > 2
+    for ids in (stored, rng.permutation(stored), stored[::3], np.concatenate([stored[:5], [1, 2]])):
+        found, got = backend.get_rows("w", ids)
+        assert np.array_equal(found, np.isin(ids, stored))
+        want = np.stack([oracle.rows["w"][i] for i in ids[found].tolist()])
+        assert np.array_equal(got, want)
     backend.close()
 
 
