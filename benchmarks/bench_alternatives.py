@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from alternatives.compare import median_record, versus
+from alternatives.compare import headline_keys, median_record, versus
 from alternatives.mapped import MADV_RANDOM, MappedWeights, meminfo_kib, vm_dirty_settings
 from alternatives.placement import VOCAB_ENV, ram_sized_rows, shared_fractions, vocab_files
 from bench_scale import stream_overrides
@@ -350,13 +350,7 @@ def over_ram(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     out["over_ram_repeats"] = args.repeats
     out["over_ram_cpu_s_per_1k_samples"] = {arm: r["cpu_s_per_1k_samples"] for arm, r in arms.items()}
     out["versus"] = {a: {b: versus(arms[a], arms[b]) for b in arms if b != a} for a in arms}
-    for other, ratios in out["versus"].get("tierrec", {}).items():
-        for key, value in ratios.items():
-            if key == "last_tenth_pairs":
-                continue
-            out[
-                f"over_ram_{key}_vs_{other}" if key != "last_tenth" else f"over_ram_vs_{other}_last_tenth"
-            ] = value
+    out.update(headline_keys(out["versus"].get("tierrec", {})))
     return out
 
 

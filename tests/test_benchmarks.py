@@ -197,3 +197,37 @@ def test_record_keeps_a_programs_last_line_with_its_commit(tmp_path):
         text=True,
     )
     assert refused.returncode == 2 and "not a benchmark program" in refused.stderr
+
+
+def test_versus_of_two_recorded_runs_equals_one_run_holding_every_arm(tmp_path):
+    """benchmarks/versus.py: a recorded run split in two (the mapped arm apart) gives back, for every arm
+    against the mapped one, the figures the run printed itself; runs of different streams are refused."""
+    (whole,) = (BENCHMARKS / "results").glob("bench_alternatives_20261207-052203_*.json")
+    record = json.loads(whole.read_text())
+    arms = record["result"]["over_ram"]
+    part_a = record | {"result": {"over_ram": {k: v for k, v in arms.items() if k != "mmap"}}}
+    part_b = record | {"result": {"over_ram": {"mmap": arms["mmap"]}}}
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, part in zip(paths, (part_a, part_b), strict=True):
+        path.write_text(json.dumps(part))
+    run = [sys.executable, str(BENCHMARKS / "versus.py")]
+    proc = subprocess.run(
+        [*run, *map(str, paths)], env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    printed = record["result"]
+    assert set(out["versus"]) == set(arms) - {"mmap"}
+    for arm in out["versus"]:
+        assert out["versus"][arm] == {"mmap": printed["versus"][arm]["mmap"]}
+    for key in ("over_ram_vs_mmap_last_tenth", "over_ram_auc_vs_mmap", "over_ram_disk_bytes_vs_mmap"):
+        assert out[key] == printed[key]
+    assert "over_ram_vs_hashed_ram_sized_last_tenth" not in out  # A's arms are not compared with each other
+    part_b["argv"] = [*record["argv"], "--steps", "100"]
+    paths[1].write_text(json.dumps(part_b))
+    refused = subprocess.run(
+        [*run, *map(str, paths)], env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
+    assert (
+        refused.returncode == 2 and "different streams" in refused.stderr and "[200, 100]" in refused.stderr
+    )

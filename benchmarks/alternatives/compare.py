@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["MEDIAN_KEYS", "median_record", "versus"]
+__all__ = ["MEDIAN_KEYS", "headline_keys", "median_record", "versus"]
 
 # The figures of an arm's record that are reported as the median of its repeats, with their range.
 MEDIAN_KEYS = (
@@ -56,4 +56,17 @@ def versus(candidate: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any
     ratios = [ratio(a["samples_per_s_last_tenth"], b["samples_per_s_last_tenth"]) for a, b in pairs]
     if len(ratios) > 1 and None not in ratios:
         out["last_tenth_pairs"] = ratios
+    return out
+
+
+def headline_keys(of_tierrec: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The flat keys of tierrec's ``versus`` records against each other arm: ``over_ram_vs_<arm>_last_tenth``
+    and ``over_ram_<figure>_vs_<arm>`` for the AUC difference and the bytes and CPU ratios."""
+    out: dict[str, Any] = {}
+    for other, ratios in of_tierrec.items():
+        for key, value in ratios.items():
+            if key == "last_tenth":
+                out[f"over_ram_vs_{other}_last_tenth"] = value
+            elif key != "last_tenth_pairs":
+                out[f"over_ram_{key}_vs_{other}"] = value
     return out
