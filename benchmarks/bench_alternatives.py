@@ -68,6 +68,8 @@ fractions and ``hashed_ram_sized_rows_per_table``.
 
 ``--repeats N`` runs every larger-than-RAM arm N times in alternating order (A B C, C B A, ...); each arm's
 record then holds the median of its repeats with ``<key>_range`` [min, max] beside it, and ``repeats``.
+An arm recorded in a run of its own (the exact mapped table at full size) is set against another recorded
+run's arms by ``benchmarks/versus.py``, which prints the same keys.
 
 Usage: python benchmarks/bench_alternatives.py [--only fits_ram,over_ram] [--arms tierrec,mmap,...]
        [--repeats 2] [--steps 1700] [--batch 16384] [--dir /tmp/bench_alternatives] [--smoke]

@@ -59,6 +59,13 @@ class StageSpec:
             cores the training step, the critical path, is preempted less often). Not called in SEQUENTIAL
             mode, where every stage runs on the consumer's thread. An exception fails the stage like one
             raised by ``fn``.
+        lead: ``(stage, n)``: start batch ``i`` only once the earlier stage ``stage`` has finished batch
+            ``i + n`` (or its last batch, where the stream ends sooner). A stage whose work reads what the
+            earlier stage has done for later batches — the store's eviction reads the batches announced
+            after the one it fills — then sees the same ``n`` of them on every run, whatever the threads'
+            timing. The capacities from ``stage`` up to the one before this must add up to at least ``n``
+            (else ``stage`` could never run that far ahead); the pipeline checks it when it is built.
+            SEQUENTIAL mode runs each batch through every stage before the next and ignores it.
     """
 
     name: str
@@ -66,6 +73,7 @@ class StageSpec:
     capacity: int = 1
     sync_with_consumer: bool = False
     on_start: Callable[[], None] | None = None
+    lead: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -78,6 +86,11 @@ class StageSpec:
             raise ValueError(f"StageSpec.capacity must be an int >= 1, got {self.capacity!r}")
         if self.on_start is not None and not callable(self.on_start):
             raise ValueError(f"StageSpec.on_start must be None or callable, got {self.on_start!r}")
+        if self.lead is not None:
+            ok = isinstance(self.lead, tuple) and len(self.lead) == 2 and isinstance(self.lead[1], int)
+            if not ok or isinstance(self.lead[1], bool) or self.lead[1] < 0:
+                raise ValueError(f"StageSpec.lead must be None or (stage name, int >= 0), got {self.lead!r}")
+            object.__setattr__(self, "lead", (str(self.lead[0]), self.lead[1]))
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -153,7 +153,30 @@ class StagedPipeline:
         self._edges = [_Edge(c) for c in capacities]
         self._consumer_event: Event | None = None  # consumer's stream after its last finished batch
         self._next_batch = 0  # SEQUENTIAL: index of the next batch
+        # StageSpec.lead: batches each stage has finished, the stream's length once the source has ended
+        self._leads = [self._lead_of(k, spec) for k, spec in enumerate(self.stages)]
+        self._progress = threading.Condition()
+        self._finished = [0] * len(self.stages)
+        self._total: int | None = None
+        self._halted = False
         self._current: tuple[int, int] | None = None  # (batch, ns handed out) of the consumer's batch
+
+    def _lead_of(self, k: int, spec: StageSpec) -> tuple[int, int] | None:
+        """``spec.lead`` as (index of the earlier stage, batches ahead); checked against the capacities."""
+        if spec.lead is None:
+            return None
+        name, n = spec.lead
+        earlier = [s.name for s in self.stages[:k]]
+        if name not in earlier:
+            raise ValueError(f"stage {spec.name!r}: lead names {name!r}, which is not a stage before it")
+        j = earlier.index(name)
+        room = sum(s.capacity for s in self.stages[j:k])
+        if room < n:
+            raise ValueError(
+                f"stage {spec.name!r}: {name!r} cannot run {n} batches ahead of it "
+                f"(the capacities between them add up to {room})"
+            )
+        return j, n
 
     @property
     def mode(self) -> PipelineMode:
@@ -249,8 +272,7 @@ class StagedPipeline:
             if self._closed:
                 return
             self._closed = True
-        for edge in self._edges:
-            edge.abort()
+        self._halt()
         self._end_consumer_step()
         if self.mode is PipelineMode.SEQUENTIAL:
             _close_iterator(self._iterator)  # PIPELINED: the source worker does it in its own thread
@@ -300,8 +322,26 @@ class StagedPipeline:
         with self._lock:
             if self._error is None:
                 self._error = StageFailed(stage, batch, exc)
+        self._halt()
+
+    def _halt(self) -> None:
+        """Wake every worker waiting at a hand-off or for a lead; each stops there."""
         for edge in self._edges:
             edge.abort()
+        with self._progress:
+            self._halted = True
+            self._progress.notify_all()
+
+    def _wait_for_lead(self, lead: tuple[int, int], batch: int) -> None:
+        """Block until stage ``lead[0]`` has finished batch ``batch + lead[1]`` or the stream's last batch."""
+        j, n = lead
+        with self._progress:
+            while not self._halted:
+                done = self._finished[j]
+                if done > batch + n or (self._total is not None and done >= self._total):
+                    return
+                self._progress.wait()
+            raise _Stopped
 
     def _run_source(self) -> None:
         assert self._iterator is not None
@@ -321,6 +361,9 @@ class StagedPipeline:
                         item = next(self._iterator)
                     except StopIteration:
                         exhausted = True
+                        with self._progress:
+                            self._total = batch
+                            self._progress.notify_all()
                         out.put(_END)
                         return
                     event = self.device.record()
@@ -359,6 +402,12 @@ class StagedPipeline:
                         out.put(_END)
                         return
                     batch, item, event = entry
+                    lead = self._leads[k]
+                    if lead is not None:
+                        self._wait_for_lead(lead, batch)  # waiting for the earlier stage is a stall too
+                        waited = tl.now_ns()
+                        counters.stall_s += (waited - start) * 1e-9
+                        start = waited
                     with self.device.stream(stream):
                         self.device.wait(event)
                         if spec.sync_with_consumer:
@@ -368,6 +417,9 @@ class StagedPipeline:
                         event = self.device.record()
                     tl.add_work(spec.name, batch, start, tl.now_ns())
                     out.put((batch, item, event))
+                    with self._progress:
+                        self._finished[k] += 1
+                        self._progress.notify_all()
             except _Stopped:
                 pass
             except BaseException as exc:  # noqa: BLE001 - see _run_source

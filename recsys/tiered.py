@@ -379,9 +379,12 @@ def tiered_feed(
     """The nested pipeline's inter-batch stages for tiered tables, over ``(step, batch)`` items.
 
     load (the source worker) → route (key routing, announce) → prefetch (SSD → DRAM) → fill (slots, pins,
-    remap). The routing stage runs up to ``lookahead`` batches ahead, so the store sees that many future
-    batches when it picks victims; the fill stage runs one batch ahead of the consumer, whose pins (and
-    TorchRec's own two batches in flight) keep every slot in use out of its reach.
+    remap). The routing stage runs ``lookahead`` batches ahead of the prefetch stage, and the prefetch and
+    fill of batch i wait until batch i + ``lookahead`` is announced (or the stream has ended), so the store
+    sees exactly that many future batches whenever it picks victims: the rows it keeps, its counters and
+    the hit rates ``tune-cache`` predicts do not depend on how fast the loader runs. The fill stage runs
+    one batch ahead of the consumer, whose pins (and TorchRec's own two batches in flight) keep every slot
+    in use out of its reach.
     """
     lookahead = tables.lookahead
 
@@ -394,16 +397,20 @@ def tiered_feed(
         tables.prefetch(routed)
         return routed
 
+    window = (Stage.ROUTE.value, lookahead) if lookahead else None
     stages = [
-        StageSpec(name=Stage.ROUTE, fn=route, capacity=max(1, lookahead - 1)),
+        StageSpec(name=Stage.ROUTE, fn=route, capacity=max(1, lookahead)),
         # load and route keep the training thread's priority: they must run far ahead to feed the lookahead
-        StageSpec(name=Stage.PREFETCH, fn=prefetch, capacity=1, on_start=section.lower_worker_priority),
+        StageSpec(
+            name=Stage.PREFETCH, fn=prefetch, capacity=1, on_start=section.lower_worker_priority, lead=window
+        ),
         StageSpec(
             name=Stage.FILL,
             fn=tables.fill,
             capacity=1,
             sync_with_consumer=True,
             on_start=section.lower_worker_priority,
+            lead=window,
         ),
     ]
     config = section.staged_config()
