@@ -155,6 +155,7 @@ class StagedPipeline:
         self._next_batch = 0  # SEQUENTIAL: index of the next batch
         # StageSpec.lead: batches each stage has finished, the stream's length once the source has ended
         self._leads = [self._lead_of(k, spec) for k, spec in enumerate(self.stages)]
+        self._led = {lead[0] for lead in self._leads if lead is not None}  # stages some later stage waits on
         self._progress = threading.Condition()
         self._finished = [0] * len(self.stages)
         self._total: int | None = None
@@ -417,9 +418,10 @@ class StagedPipeline:
                         event = self.device.record()
                     tl.add_work(spec.name, batch, start, tl.now_ns())
                     out.put((batch, item, event))
-                    with self._progress:
-                        self._finished[k] += 1
-                        self._progress.notify_all()
+                    if k in self._led:
+                        with self._progress:
+                            self._finished[k] += 1
+                            self._progress.notify_all()
             except _Stopped:
                 pass
             except BaseException as exc:  # noqa: BLE001 - see _run_source

@@ -397,7 +397,7 @@ def tiered_feed(
         tables.prefetch(routed)
         return routed
 
-    window = (Stage.ROUTE.value, lookahead) if lookahead else None
+    window = (Stage.ROUTE, lookahead) if lookahead else None
     stages = [
         StageSpec(name=Stage.ROUTE, fn=route, capacity=max(1, lookahead)),
         # load and route keep the training thread's priority: they must run far ahead to feed the lookahead
