@@ -7,7 +7,8 @@ the JSON result every program ends with, to ``benchmarks/results/<program>_<UTC 
 as ``{"program", "argv", "commit", "date", "exit_code", "result"}``. A result names the commit it measured,
 so a tree with uncommitted changes to tracked files is refused (``--allow-dirty`` records it anyway, the
 commit marked ``+dirty``), and so is a run that failed (nothing is written). ``--results DIR`` writes
-elsewhere. Exits with the program's exit code.
+elsewhere. Exits with the program's exit code. ``versus.py A.json B.json`` (one recorded
+``bench_alternatives`` run's arms against another's) is recorded the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def main(argv: list[str]) -> int:
     )
     args, flags = parser.parse_known_args(argv)
     program = BENCHMARKS / args.program
-    if program.parent != BENCHMARKS or not program.name.startswith("bench_") or not program.is_file():
+    recordable = program.name.startswith("bench_") or program.name == "versus.py"
+    if program.parent != BENCHMARKS or not recordable or not program.is_file():
         parser.error(f"{args.program!r} is not a benchmark program in {BENCHMARKS}")
     commit = git("rev-parse", "--short=12", "HEAD")
     if git("status", "--porcelain", "--untracked-files=no"):
