@@ -1,41 +1,50 @@
-"""Bounded tables kept in memory (``store.tiered = false``): the same routing and decisions as tiered
-tables (:mod:`recsys.bounded`), with the model's own tables as the rows.
+"""In-memory tables (``store.tiered = false``) bound to training: the model's own tables hold the rows.
 
-Each batch's ids of a bounded table go to their owners with their occurrences (the tiered tables'
-ownership rule over the in-memory sharding: table-wise the rank holding the table, row-wise a hash of
-the id), the owners decide, and the ids come back as themselves or as the default row's id. A removed
-row is reset to its initial value with zero optimizer state by the rank holding it — exactly what a
-tiered run's deleted row reads as when the id comes back — so both runs train the same model.
+Plain tables need nothing between the loader and TorchRec. Bounded tables take the same routing and
+decisions as tiered ones (:mod:`recsys.bounded`, through :class:`~recsys.binding.OwnerRouting`): each
+batch's ids of a bounded table go to their owners with their occurrences (the tiered tables' ownership
+rule over the in-memory sharding: table-wise the rank holding the table, row-wise a hash of the id), the
+owners decide, and the ids come back as themselves or as the default row's id. A removed row is reset to
+its initial value with zero optimizer state by the rank holding it — exactly what a tiered run's deleted
+row reads as when the id comes back — so both runs train the same model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
-import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embedding_store.bounds_rule import BoundsRule
 from embedding_store.init import init_rows
+from pipelines import DeviceContext, StagedPipeline
+from recsys.binding import EVAL, TRAIN, OwnerRouting, RowChanges
 from recsys.bounded import DEFAULT, BoundedTables
+from recsys.capacities import Capacities
 from recsys.data.batch import Batch
-from recsys.distributed import collective_timeout
-from recsys.routing import DistExchange, Exchange, Ownership, Router, values_by_feature, with_values
+from recsys.pipeline_config import PipelineSection
+from recsys.routing import values_by_feature, with_values
 from recsys.sharding import LocalShard, local_shards
 
-__all__ = ["InMemoryBounds"]
-
-TRAIN, EVAL = "train", "eval"
+__all__ = ["EVAL", "TRAIN", "InMemoryTables"]
 
 
-class InMemoryBounds:
-    """One rank's bounded in-memory tables: remaps each batch, resets removed rows.
+class InMemoryTables:
+    """One rank's in-memory tables: remaps each batch of the bounded ones, resets their removed rows.
+
+    Collective to construct when some table is bounded (:class:`~recsys.binding.OwnerRouting`).
 
     Args:
-        dmp: the sharded model (its local shards are reset in place).
-        tables: the bounded tables' configs (``num_embeddings`` includes the default row).
-        rules: table name -> its rule, and the default row ids (``(rules, default_ids)``).
+        dmp: the sharded model (its local shards of bounded tables are reset in place).
+        tables: every table config of the model (a bounded table's ``num_embeddings`` includes the
+            default row).
+        rules: table name -> its rule, and the default row ids (``(rules, default_ids)``; empty: no table
+            is bounded).
         row_wise: the tables are sharded row-wise.
         init: the rows' initial values: ``(seed, scale, dtype)`` (dtype: the weights' storage precision,
             to which they are rounded).
@@ -49,51 +58,104 @@ class InMemoryBounds:
         row_wise: bool,
         init: tuple[int, float, torch.dtype],
     ) -> None:
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.names = sorted(rules[0])
-        self.feature = {t.name: t.feature_names[0] for t in tables}
-        self.shards: dict[str, LocalShard] = {s.table: s for s in local_shards(dmp, tables)}
-        world = DistExchange()
-        self.ownership = Ownership.agree(
-            self.shards, world_size=self.world_size, row_wise=row_wise, exchange=world
+        bounded = [t for t in tables if t.name in rules[0]]
+        self.feature = {t.name: t.feature_names[0] for t in bounded}
+        self.shards: dict[str, LocalShard] = (
+            {s.table: s for s in local_shards(dmp, bounded)} if bounded else {}
         )
-        held = {n for n in self.names if n in self.shards} if not self.ownership.hashed else set(self.names)
-        self._router = Router(self.ownership, names=self.names, held=held)
-        self.bounded = BoundedTables(rules[0], rules[1], held)
         self.seed, self.scale, self.dtype = init
-        self._exchanges: dict[str, Exchange] = {TRAIN: world, EVAL: world}
-        if self.world_size > 1:
-            groups = [dist.new_group(backend="gloo", timeout=collective_timeout()) for _ in range(2)]
-            self._exchanges = {TRAIN: DistExchange(groups[0]), EVAL: DistExchange(groups[1])}
+        self.routing = (
+            OwnerRouting(self.shards, names=self.names, row_wise=row_wise, bounds=rules)
+            if self.names
+            else None
+        )
+        self.changes = RowChanges() if self.routing is None else self.routing.changes
+
+    @property
+    def store_tables(self) -> list[str]:
+        """None: every row is in the model's tables."""
+        return []
+
+    def tier_metrics(self, capacities: Capacities, world_size: int) -> None:
+        """None: there are no tiers to count."""
+        return None
+
+    @property
+    def bounded(self) -> BoundedTables | None:
+        """The bounded tables' state this rank decides for (None: no table is bounded)."""
+        return None if self.routing is None else self.routing.bounded
 
     def owns(self, name: str, ids: np.ndarray) -> np.ndarray:
         """(n,) bool: which ids of bounded table ``name`` this rank decides for."""
-        return self.ownership.owns(name, ids, self.rank)
+        assert self.routing is not None, f"{name} is not routed: no table is bounded"
+        return self.routing.owns(name, ids)
 
-    def remap(self, step: int, batch: Batch, *, channel: str = TRAIN) -> Batch:
+    def slot_ids(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """In memory a row's id is its place in the table: no table has slots."""
+        raise KeyError(f"{name}: in-memory tables have no slots")
+
+    def open(self, *, snapshot: Path | None = None, reshard_from: list[Path] | None = None) -> None:
+        """Nothing to open: the model's state holds the rows (a checkpoint restores them with it)."""
+
+    def close(self, *, flush: bool = True) -> None:
+        """Forget the row changes of unfinished batches."""
+        if self.routing is not None:
+            self.routing.forget()
+
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """The bounded tables' state (meta.json's ``bounds``), when some table is bounded."""
+        from recsys.checkpoint.parts import BoundsState
+
+        return {} if self.bounded is None else {"bounds": BoundsState(self.bounded, self.owns)}
+
+    def digest_rows(self, checkpoint: Path | None, rank: int) -> list[tuple[str, Any]]:
+        """None: every row is in the model's state, which the digest reads itself."""
+        return []
+
+    def feed(
+        self,
+        source: Iterable[tuple[int, Batch]],
+        *,
+        section: PipelineSection,
+        device: torch.device,
+        rank: int,
+    ) -> tuple[Iterator[Batch], StagedPipeline]:
+        """Only the load stage, on the pipeline's source worker in pipelined mode, so that reading and
+        folding batch i+1 overlaps batch i's compute as in tiered runs. A bounded table's remap (which
+        resets the rows of new ids) stays on the consumer's thread, in step order."""
+        loads = StagedPipeline(
+            source, [], config=section.staged_config(), device=DeviceContext(device), rank=rank
+        )
+        if self.routing is None:
+            return (batch for _, batch in loads), loads
+        return (self.remap(step, batch) for step, batch in loads), loads
+
+    def release(self, batch_id: int) -> None:
+        """The batch's optimizer step is done: emit its row changes."""
+        if self.routing is not None:
+            self.routing.finish(batch_id)
+
+    def remap(self, batch_id: int, batch: Batch, *, channel: str = TRAIN) -> Batch:
         """The batch with every bounded table's ids that read the default row replaced by its id; for a
-        training batch, decide step ``step`` and reset the rows it removes first (collective)."""
+        training batch, decide step ``batch_id`` and reset the rows it removes first (collective)."""
+        routing = self.routing
+        if routing is None:
+            return batch
         values = values_by_feature(batch.sparse)
         ids = {name: values[self.feature[name]] for name in self.names}
-        exchange = self._exchanges[channel]
-        train = channel == TRAIN
-        routed = self._router.route(ids, exchange, counts=train)
-        if train:
-            assert routed.owner_counts is not None
-            decided = self.bounded.decide(step, routed.owner_ids, routed.owner_counts)
-            mapped, removed = decided.owner_ids, decided.removed
-            if self.ownership.hashed:  # row-wise: the row may live on another rank than its owner
-                gathered = exchange.all_gather(removed)
+        routed, removed = routing.route(batch_id, ids, channel=channel)
+        if channel == TRAIN:
+            if routing.ownership.hashed:  # row-wise: the row may live on another rank than its owner
+                gathered = routing.exchange(TRAIN).all_gather(removed)
                 removed = {
                     n: torch.cat([torch.from_numpy(g[n]) for g in gathered if n in g]).numpy()
                     for n in self.names
                 }
             self._reset(removed)
-        else:
-            mapped = self.bounded.lookup(routed.owner_ids)
-        back = self._router.return_slots(routed, mapped, exchange)
-        defaults = self.bounded.default_ids
+        back = routing.return_slots(routed, routed.owner_ids, channel=channel)
+        assert routing.bounded is not None
+        defaults = routing.bounded.default_ids
         return with_values(
             batch,
             {self.feature[n]: torch.where(back[n] == DEFAULT, defaults[n], back[n]) for n in self.names},

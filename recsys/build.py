@@ -1,8 +1,8 @@
 """Assembling a trainer from its config: the dataset, the sharded model, its optimizers and the tiers.
 
 :class:`TrainSpec` names the builders a :class:`~recsys.trainer.Trainer` is assembled with, so that a
-benchmark or a test replaces one part (a tier binding that records what it fills, a feed it keeps, a
-silent progress bar) instead of patching the project's modules.
+benchmark or a test replaces one part (a tier binding that records what it fills, a silent progress
+bar) instead of patching the project's modules.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from torchrec import EmbeddingBagConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from tqdm import tqdm
 
-from pipelines import StagedPipeline
+from recsys.binding import TableBinding
 from recsys.bounded import default_id
-from recsys.bounded_memory import InMemoryBounds
+from recsys.bounded_memory import InMemoryTables
 from recsys.capacities import Capacities, mismatch_warning
 from recsys.capacity_advice import SlotsAdvice
 from recsys.config import RunConfig
@@ -33,7 +33,7 @@ from recsys.routing import tiered_features
 from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
 from recsys.sparse import ShardingKind
 from recsys.table_names import table_name
-from recsys.tiered import TieredTables, TierPlan, row_bytes, slot_row_bytes, tiered_feed
+from recsys.tiered import TieredTables, TierPlan, row_bytes, slot_row_bytes
 from recsys.windows import enable_frozen_windows
 
 __all__ = ["ModelParts", "TrainSpec", "build_parts", "fold_ids", "progress_bar"]
@@ -59,10 +59,9 @@ class TrainSpec:
     """The builders of a trainer's replaceable parts.
 
     Attributes:
-        tables: builds the tier binding of one rank: ``tables(dmp, table_configs, plan=TierPlan)``, as
-            :class:`~recsys.tiered.TieredTables` is called.
-        feed: builds the nested pipeline that feeds tiered tables; called as
-            :func:`~recsys.tiered.tiered_feed` is.
+        tables: builds the tier binding of one rank when some table is tiered:
+            ``tables(dmp, table_configs, plan=TierPlan)``, as :class:`~recsys.tiered.TieredTables` is
+            called (its ``feed`` builds the nested pipeline).
         progress: builds the progress bar of a fit; called as :func:`progress_bar` is.
         capacity_advice: the device slots a run needed, for the error of a device tier too small
             (:class:`~recsys.capacity_advice.SlotsAdvice`); ``recsys train`` passes the tuner's replay
@@ -75,7 +74,6 @@ class TrainSpec:
     """
 
     tables: Callable[..., TieredTables] = TieredTables
-    feed: Callable[..., StagedPipeline] = tiered_feed
     progress: Callable[..., Any] = progress_bar
     capacity_advice: SlotsAdvice | None = None
     fused_params: Callable[[list[EmbeddingBagConfig]], dict[str, Any]] | None = None
@@ -93,8 +91,8 @@ class ModelParts:
         optimizer: TorchRec's combined optimizer (fused sparse + dense).
         dense_optimizer: the dense part of it.
         capacities: the tiers' sizes per tiered feature (empty without tiers).
-        tiered: the tier binding, or None when no table is tiered.
-        bounded: the in-memory bounded tables' binding (bounds without tiers), else None.
+        binding: the tables' binding (:class:`~recsys.binding.TableBinding`): the tiered tables, or the
+            in-memory ones.
     """
 
     data: Dataset
@@ -104,8 +102,12 @@ class ModelParts:
     optimizer: Any
     dense_optimizer: Any
     capacities: Capacities
-    tiered: TieredTables | None
-    bounded: InMemoryBounds | None = None
+    binding: TableBinding
+
+    @property
+    def tiered(self) -> TieredTables | None:
+        """The tiered tables (their store, counters and slots), or None when every table is in memory."""
+        return self.binding if isinstance(self.binding, TieredTables) else None
 
 
 def fold_ids(batch: Batch, modulus: list[int]) -> Batch:
@@ -220,7 +222,7 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         dmp, tables, seed=cfg.train.seed, scale=cfg.sparse.init_scale, precision=cfg.sparse.weights_precision
     )
     optimizer = build_optimizer(dmp, cfg.train)
-    binding = None
+    binding: TableBinding
     if tiered:
         store_path = Path(cfg.store.path) if cfg.store.path else out_dir / "store"
         plan = TierPlan.from_config(
@@ -235,11 +237,10 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
             bounds=({table_name(f): r for f, r in rules.items()}, default_ids),
         )
         binding = spec.tables(dmp, tables, plan=plan)
-    bounded = None
-    if rules and not tiered:
-        bounded = InMemoryBounds(
+    else:
+        binding = InMemoryTables(
             dmp,
-            [t for t in tables if t.feature_names[0] in rules],
+            tables,
             ({table_name(f): r for f, r in rules.items()}, default_ids),
             cfg.sparse.sharding is ShardingKind.ROW_WISE,
             (cfg.train.seed, cfg.sparse.init_scale, getattr(torch, cfg.sparse.weights_precision.dtype)),
@@ -252,8 +253,7 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         optimizer=optimizer,
         dense_optimizer=optimizer.optimizers[1][1],
         capacities=capacities,
-        tiered=binding,
-        bounded=bounded,
+        binding=binding,
     )
 
 

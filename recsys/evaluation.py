@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+from recsys.binding import EVAL
 from recsys.build import ModelParts, fold_ids
 from recsys.data.stats import SplitStats, constant_logloss, split_stats_of
 from recsys.distributed import DistEnv
 from recsys.metrics import auc_logloss
 from recsys.tier_metrics import TierMetrics
-from recsys.tiered import EVAL
 
 __all__ = ["EVAL_BATCH_BASE", "Evaluator", "HeldOutScores"]
 
@@ -80,13 +80,9 @@ class Evaluator:
         batches = p.data.eval_batches(rank=env.rank, world_size=env.world_size, batch_size=self.batch_size)
         for index, batch in enumerate(batches):
             batch = fold_ids(batch, p.fold)
-            if p.tiered is not None:
-                batch = p.tiered.remap(EVAL_BATCH_BASE + index, batch, channel=EVAL)
-            elif p.bounded is not None:
-                batch = p.bounded.remap(EVAL_BATCH_BASE + index, batch, channel=EVAL)
+            batch = p.binding.remap(EVAL_BATCH_BASE + index, batch, channel=EVAL)
             _, (_, out, lab) = p.dmp(batch.to(env.device))
-            if p.tiered is not None:
-                p.tiered.release(EVAL_BATCH_BASE + index)
+            p.binding.release(EVAL_BATCH_BASE + index)
             logits.append(out.cpu())
             labels.append(lab.cpu())
         p.dmp.train()

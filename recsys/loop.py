@@ -93,10 +93,7 @@ class TrainLoop:
     def _bounds_metrics(self) -> BoundsMetrics | None:
         """The bounded tables' metrics of this fit (None without ``[store.bounds]``)."""
         t = self.trainer
-        if t.tiered is not None:
-            bounded = t.tiered.bounded
-        else:
-            bounded = None if t.bounded is None else t.bounded.bounded
+        bounded = t.binding.bounded
         if bounded is None:
             return None
         sizes = {c.name: row_bytes(t.config.sparse, c.embedding_dim) for c in t.tables}
@@ -256,8 +253,7 @@ class TrainLoop:
             loss, _, _ = pipeline.progress(batches)
             if t.rounding is not None:  # fp16 rows back to float16 values, before their slots are released
                 t.rounding.after_step(state.step)
-            if t.tiered is not None:
-                t.tiered.release(state.step)  # its backward and optimizer step are done
+            t.binding.release(state.step)  # its backward and optimizer step are done
             state.step += 1
             trained_samples += tcfg.batch_size
             loss_value = float(loss)

@@ -29,7 +29,7 @@ from embedding_store.rounding import round_rows_, step_key
 from recsys.sharding import local_shards
 
 if TYPE_CHECKING:
-    from recsys.tiered import TieredTables
+    from recsys.binding import TableBinding
 
 __all__ = ["StepRounding"]
 
@@ -60,7 +60,8 @@ class StepRounding:
         dmp: the sharded model, whose FBGEMM tables hold float32 weights.
         tables: every table config of the model.
         seed: the run's seed.
-        tiered: the rank's tiered tables (their slots' ids), or None.
+        binding: the rank's tables' binding (the ids its store tables' slots hold); None: every table in
+            memory.
     """
 
     def __init__(
@@ -69,11 +70,11 @@ class StepRounding:
         tables: list[EmbeddingBagConfig],
         *,
         seed: int,
-        tiered: TieredTables | None = None,
+        binding: TableBinding | None = None,
     ) -> None:
         self.seed = seed
-        self._tiered = tiered
-        tiered_names = set() if tiered is None else set(tiered.names)
+        self._binding = binding
+        tiered_names = set() if binding is None else set(binding.store_tables)
         by_storage = {
             s.weight.data_ptr(): _Table(
                 s.table, s.weight, s.row_offset, s.col_offset, s.table in tiered_names
@@ -122,8 +123,8 @@ class StepRounding:
 
     def _round(self, target: _Table, rows: torch.Tensor, step: int) -> None:
         if target.tiered:
-            assert self._tiered is not None
-            ids = torch.from_numpy(self._tiered.slot_ids(target.name, rows.cpu().numpy()))
+            assert self._binding is not None
+            ids = torch.from_numpy(self._binding.slot_ids(target.name, rows.cpu().numpy()))
         else:
             ids = rows.cpu() + target.row_offset
         key = step_key(self.seed, target.name, step)

@@ -260,7 +260,7 @@ class BoundsMetrics:
     and sequential, report the same numbers.
 
     Args:
-        bounded: this rank's bounded tables (``TieredTables.bounded`` or ``InMemoryBounds.bounded``), with
+        bounded: this rank's bounded tables (the binding's ``bounded``: :mod:`recsys.binding`), with
             their state as the run starts (a resumed run's totals include the steps before the resume).
         row_bytes: table name -> bytes of one stored row (float32 weights and optimizer state).
         world_size: ranks of the run (the figures are over all of them).

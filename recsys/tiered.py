@@ -22,9 +22,10 @@ directory, lock, restores and close) is :class:`recsys.tier_shard.TierShard`'s, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,29 +44,20 @@ from embedding_store import (
 )
 from embedding_store.bounds_rule import BoundsRule
 from pipelines import DeviceContext, Stage, StagedPipeline, StageSpec
-from recsys.bounded import DEFAULT, BoundedTables
+from recsys.binding import EVAL, TRAIN, OwnerRouting
+from recsys.bounded import DEFAULT
 from recsys.capacities import Capacities
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
-from recsys.distributed import collective_timeout
 from recsys.pipeline_config import PipelineSection
-from recsys.routing import (
-    DistExchange,
-    Exchange,
-    Ownership,
-    RoutedIds,
-    Router,
-    values_by_feature,
-    with_values,
-)
+from recsys.routing import RoutedIds, values_by_feature, with_values
 from recsys.sharding import local_shards
 from recsys.sparse import ShardingKind, SparseConfig
 from recsys.tier_counters import COUNTERS, TierCounters
+from recsys.tier_metrics import TierMetrics
 from recsys.tier_shard import Rows, TierShard, claim_shard
 
-__all__ = ["TierPlan", "TieredTables", "RoutedBatch", "row_bytes", "tiered_feed"]
-
-TRAIN, EVAL = "train", "eval"
+__all__ = ["EVAL", "TRAIN", "TierPlan", "TieredTables", "RoutedBatch", "row_bytes", "tiered_feed"]
 
 
 def row_bytes(sparse: SparseConfig, dim: int) -> int:
@@ -214,24 +206,22 @@ class TieredTables:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.row_wise = plan.row_wise
         self.names = list(tiered)
+        self.store_tables = sorted(self.names)
         self.feature = {t.name: t.feature_names[0] for t in tables if t.name in tiered}
         configs = {t.name: t for t in tables if t.name in tiered}
         shards = {s.table: s for s in local_shards(dmp, [configs[n] for n in self.names])}
         self.row_offset = {name: shard.row_offset for name, shard in shards.items()}
-        world = DistExchange()  # the default group, for the agreements of the constructor
-        self.ownership = Ownership.agree(
-            shards, world_size=self.world_size, row_wise=self.row_wise, exchange=world
+        # Two training stages exchange ids (routing, fill), each on its own thread and process group.
+        self.routing = OwnerRouting(
+            shards,
+            names=self.names,
+            row_wise=self.row_wise,
+            bounds=(plan.bounds, plan.default_ids),
+            train_stages=2,
         )
-        self._router = Router(self.ownership, names=self.names, held=shards)
-        # One rank routes without collectives: its exchanges are never called.
-        self._exchanges: dict[str, tuple[Exchange, Exchange]] = {TRAIN: (world, world), EVAL: (world, world)}
-        if self.world_size > 1:
-            # Own groups: collectives of key routing never interleave with TorchRec's; the routing and
-            # fill stages of training batches each run on their own thread, and evaluation batches are
-            # remapped on the main thread while those threads may be busy with later training batches.
-            groups = (dist.new_group(backend="gloo", timeout=collective_timeout()) for _ in range(3))
-            route_pg, fill_pg, eval_pg = (DistExchange(g) for g in groups)
-            self._exchanges = {TRAIN: (route_pg, fill_pg), EVAL: (eval_pg, eval_pg)}
+        self.ownership = self.routing.ownership
+        self.bounded = self.routing.bounded
+        self.changes = self.routing.changes
         specs = [
             TableSpec(
                 name=name,
@@ -247,10 +237,10 @@ class TieredTables:
             for name in sorted(shards)
         ]
         self.lookahead = plan.store.lookahead_batches  # batches the routing stage runs ahead
-        held_bounded = {n for n in shards if n in plan.bounds}
-        self.bounded = BoundedTables(plan.bounds, plan.default_ids, held_bounded) if plan.bounds else None
         # Last: nothing after the claim (collective) can fail, so no path leaves the lock held.
-        directory = claim_shard(plan.path / f"rank_{self.rank}", exchange=world, world_size=self.world_size)
+        directory = claim_shard(
+            plan.path / f"rank_{self.rank}", exchange=self.routing.world, world_size=self.world_size
+        )
         self.shard = TierShard(directory, config=plan.store, tables=specs, slots=shards, owns=self.owns)
         self.tallies = TierCounters(self.shard)
 
@@ -262,7 +252,7 @@ class TieredTables:
 
     def owns(self, name: str, ids: np.ndarray) -> np.ndarray:
         """(n,) bool: which ids of table ``name`` this rank owns now."""
-        return self.ownership.owns(name, ids, self.rank)
+        return self.routing.owns(name, ids)
 
     # -- the shard's lifecycle and counters (entry points of :attr:`shard` and :attr:`tallies`) ---
 
@@ -282,7 +272,32 @@ class TieredTables:
 
     def close(self, *, flush: bool = True) -> None:
         """Close the store (flushing it, unless ``flush=False`` after a failure) and release the lock."""
+        self.routing.forget()
         self.shard.close(flush=flush)
+
+    def tier_metrics(self, capacities: Capacities, world_size: int) -> TierMetrics:
+        """The tiers' hit rates and sizes over this binding's counters."""
+        return TierMetrics(self.tallies, capacities=capacities, world_size=world_size)
+
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """The store's snapshot, then (bounded tables) their state: meta.json's ``store`` and ``bounds``."""
+        from recsys.checkpoint.parts import BoundsState, StoreState  # they name this class
+
+        parts: dict[str, Any] = {"store": StoreState(self)}
+        if self.bounded is not None:
+            parts["bounds"] = BoundsState(self.bounded, self.owns)
+        return parts
+
+    def digest_rows(self, checkpoint: Path | None, rank: int) -> list[tuple[str, Any]]:
+        """This rank's stored rows per table, live or from ``checkpoint``'s snapshot of this rank."""
+        rows: list[tuple[str, Any]] = []
+        for name in self.names:
+            if checkpoint is None:
+                rows += [(name, block) for block in self.shard.local_rows(name)]
+            else:
+                snapshot = checkpoint / f"store_rank_{rank}"
+                rows += [(name, block) for block in self.shard.snapshot_rows(name, snapshot)]
+        return rows
 
     def snapshot(self, dest: Path) -> list[Path]:
         """Flush and copy this rank's store into ``dest`` (part of a checkpoint); returns what it wrote."""
@@ -309,18 +324,7 @@ class TieredTables:
         if self.bounded is not None:  # every batch routes each default row once: its slot comes back last
             for name, d in self.bounded.default_ids.items():
                 ids[name] = torch.cat([ids[name], torch.tensor([d], dtype=torch.int64)])
-        train = channel == TRAIN
-        routed = self._router.route(
-            ids, self._exchanges[channel][0], counts=self.bounded is not None and train
-        )
-        removed: dict[str, np.ndarray] = {}
-        if self.bounded is not None and train:
-            assert routed.owner_counts is not None
-            decided = self.bounded.decide(batch_id, routed.owner_ids, routed.owner_counts)
-            routed.owner_ids, removed = decided.owner_ids, decided.removed
-        elif self.bounded is not None:
-            routed.owner_ids = self.bounded.lookup(routed.owner_ids)
-            removed = {name: np.empty(0, dtype=np.int64) for name in self.bounded.tables}
+        routed, removed = self.routing.route(batch_id, ids, channel=channel)
         return RoutedBatch(batch_id, batch, channel, routed, removed)
 
     def announce(self, routed: RoutedBatch) -> None:
@@ -348,7 +352,7 @@ class TieredTables:
                 else:  # DEFAULT stays where the default row goes
                     slots[name] = torch.full_like(owned, DEFAULT)
                     slots[name][owned != DEFAULT] = s + self.row_offset[name]
-        value_slots = self._router.return_slots(routed.ids, slots, self._exchanges[routed.channel][1])
+        value_slots = self.routing.return_slots(routed.ids, slots, channel=routed.channel)
         if self.bounded is not None:
             for name in self.bounded.default_ids:
                 got = value_slots[name]
@@ -356,9 +360,10 @@ class TieredTables:
         return with_values(routed.batch, {self.feature[name]: value_slots[name] for name in self.names})
 
     def release(self, batch_id: int) -> None:
-        """Unpin a batch's rows after its backward and optimizer step."""
+        """Unpin a batch's rows after its backward and optimizer step; emit its row changes."""
         if self.store is not None:
             self.store.release(batch_id)
+        self.routing.finish(batch_id)
 
     def remap(self, batch_id: int, batch: Batch, *, channel: str = TRAIN) -> Batch:
         """All stages of one batch in sequence (no overlap)."""
@@ -366,6 +371,18 @@ class TieredTables:
         self.announce(routed)
         self.prefetch(routed)
         return self.fill(routed)
+
+    def feed(
+        self,
+        source: Iterable[tuple[int, Batch]],
+        *,
+        section: PipelineSection,
+        device: torch.device,
+        rank: int,
+    ) -> tuple[Iterator[Batch], StagedPipeline]:
+        """The nested tiered pipeline over ``(step, batch)`` items (:func:`tiered_feed`)."""
+        pipeline = tiered_feed(self, source, section=section, device=device, rank=rank)
+        return iter(pipeline), pipeline
 
 
 def tiered_feed(

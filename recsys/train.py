@@ -110,7 +110,7 @@ def _summary(trainer: Trainer, fit: dict[str, Any], *, started: float, resumed: 
         backend=env.backend,
         device=env.device.type,
         model_digest=digest,
-        tiered=trainer.tiered is not None,
+        tiered=bool(trainer.binding.store_tables),
         tiers=tiers,
         capacities=capacities,
         capacities_differ_from_tune=differ,

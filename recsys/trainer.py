@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipelines import DeviceContext, StagedPipeline
+from pipelines import StagedPipeline
 from recsys.build import ModelParts, TrainSpec, build_parts, fold_source
 from recsys.checkpoint import (
     Checkpoint,
@@ -30,7 +30,7 @@ from recsys.checkpoint import (
     resumable_checkpoint,
     save_checkpoint,
 )
-from recsys.checkpoint.parts import BoundsState, ConfigRecord, DigestRecord, RunRecord, StoreState
+from recsys.checkpoint.parts import ConfigRecord, DigestRecord, RunRecord
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.digest import dense_rows, model_digest
@@ -41,7 +41,6 @@ from recsys.health import StepHealth
 from recsys.metrics import MetricsLog, rewind_metrics
 from recsys.rounding import StepRounding
 from recsys.selection import BestTracker
-from recsys.tier_metrics import TierMetrics
 from recsys.train_state import TrainState
 from recsys.writing import writing
 
@@ -76,8 +75,7 @@ class Trainer:
         try:
             self._assemble(parts)
         except BaseException:
-            if parts.tiered is not None:  # its store shard is claimed (locked)
-                parts.tiered.close(flush=False)
+            parts.binding.close(flush=False)  # a tiered store's shard is claimed (locked)
             raise
 
     def _assemble(self, parts: ModelParts) -> None:
@@ -86,26 +84,24 @@ class Trainer:
         self.parts = parts
         self.data, self.fold, self.tables = parts.data, parts.fold, parts.tables
         self.dmp, self.optimizer, self.dense_optimizer = parts.dmp, parts.optimizer, parts.dense_optimizer
-        self.capacities, self.tiered, self.bounded = parts.capacities, parts.tiered, parts.bounded
+        self.capacities, self.binding, self.tiered = parts.capacities, parts.binding, parts.tiered
+        # the pipeline of the last fit's feed (benchmarks read its per-batch spans)
+        self.last_feed: StagedPipeline | None = None
         # The run's progress: advanced by the loop (recsys.loop), loaded by a restore.
         self.state = TrainState(
             selection=BestTracker(select=config.eval.select, patience=config.eval.patience)
         )
-        tiered = [] if self.tiered is None else self.tiered.names
+        tiered = self.binding.store_tables
         self.health = StepHealth(
             self.dmp, self.tables, tiered=tiered, config=config, world_size=env.world_size
         )
         # fp16 tables with stochastic rounding: the rows each step read, rounded after its update.
         self.rounding = (
-            StepRounding(self.dmp, self.tables, seed=config.train.seed, tiered=self.tiered)
+            StepRounding(self.dmp, self.tables, seed=config.train.seed, binding=self.binding)
             if config.sparse.stochastic_rounding
             else None
         )
-        self.tier_metrics = (
-            None
-            if self.tiered is None
-            else TierMetrics(self.tiered.tallies, capacities=self.capacities, world_size=env.world_size)
-        )
+        self.tier_metrics = self.binding.tier_metrics(self.capacities, env.world_size)  # None in memory
         self.evaluator = Evaluator(
             parts, env=env, batch_size=config.eval.batch_size, tier_metrics=self.tier_metrics
         )
@@ -115,13 +111,8 @@ class Trainer:
             "run": RunRecord(config, parts),
             "state": self.state,
             "config": ConfigRecord(config),
+            **self.binding.checkpoint_parts(),  # the tiered store, the bounded tables' state
         }
-        if self.tiered is not None:
-            self.checkpoint_parts["store"] = StoreState(self.tiered)
-        if self.tiered is not None and self.tiered.bounded is not None:
-            self.checkpoint_parts["bounds"] = BoundsState(self.tiered.bounded, self.tiered.owns)
-        elif self.bounded is not None:
-            self.checkpoint_parts["bounds"] = BoundsState(self.bounded.bounded, self.bounded.owns)
         # Last: it reads what the others wrote.
         self.checkpoint_parts["digest"] = DigestRecord(self.digest, enabled=config.train.checkpoint_digest)
 
@@ -137,10 +128,10 @@ class Trainer:
 
     # -- data -------------------------------------------------------------------------------------
 
-    def feed(self, start: int, stop: int) -> tuple[Iterator[Batch], StagedPipeline | None]:
+    def feed(self, start: int, stop: int) -> tuple[Iterator[Batch], StagedPipeline]:
         """The batches of steps [start, stop) that TorchRec's pipeline consumes, and the pipeline that
         yields them (for its statistics): the load stage alone in memory, the nested tiered pipeline
-        when tiered."""
+        when tiered (the binding's ``feed``)."""
         batches = self.data.train_batches(
             rank=self.env.rank,
             world_size=self.env.world_size,
@@ -148,26 +139,10 @@ class Trainer:
             start_step=start,
         )
         source = fold_source(batches, self.fold, start, stop)
-        if self.tiered is None:
-            # In memory: only the load stage, on the pipeline's source worker in pipelined mode, so that
-            # reading and folding batch i+1 overlaps batch i's compute as in tiered runs. A bounded
-            # table's remap (which resets the rows of new ids) stays on this thread, in step order.
-            config = self.config.pipeline.staged_config()
-            loads = StagedPipeline(
-                source, [], config=config, device=DeviceContext(self.env.device), rank=self.env.rank
-            )
-            bounded = self.bounded
-            if bounded is not None:
-                return (bounded.remap(step, batch) for step, batch in loads), loads
-            return (batch for _, batch in loads), loads
-        feed = self.spec.feed(
-            self.tiered,
-            source,
-            section=self.config.pipeline,
-            device=self.env.device,
-            rank=self.env.rank,
+        batches_out, self.last_feed = self.binding.feed(
+            source, section=self.config.pipeline, device=self.env.device, rank=self.env.rank
         )
-        return iter(feed), feed
+        return batches_out, self.last_feed
 
     def baseline(self) -> dict[str, Any]:
         """The splits and the constant predictor's held-out log loss (:meth:`Evaluator.baseline
@@ -237,7 +212,7 @@ class Trainer:
         """Refuse a restore that would have to move rows between tiered and in-memory tables."""
         if saved is None:  # a checkpoint from before store_tables: the digest check still applies
             return
-        now = [] if self.tiered is None else sorted(self.tiered.names)
+        now = self.binding.store_tables
         if now == saved:
             return
         store = self.config.store
@@ -254,8 +229,7 @@ class Trainer:
         with an empty store (collective). ``allow_config_change``: resume even when settings that change
         the model differ from the checkpoint's."""
         if not resume:
-            if self.tiered is not None:
-                self.tiered.open()
+            self.binding.open()
             return
         path = resumable_checkpoint(self.checkpoint_root)
         if path is None:
@@ -278,35 +252,25 @@ class Trainer:
             return save_checkpoint(root, step=self.state.step, parts=self.checkpoint_parts, keep=keep)
 
     def close(self, *, flush: bool = True) -> None:
-        """Close the tiered store and release its lock (idempotent).
+        """Close the tables' binding: a tiered store is closed and its lock released (idempotent).
 
         ``flush=False`` is the failure path: rows held above LMDB are dropped (the last checkpoint has
         them) and a second failure while closing is logged, not raised over the first.
         """
-        if self.tiered is None:
-            return
         if flush:
-            self.tiered.close()
+            self.binding.close()
             return
         try:
-            self.tiered.close(flush=False)
+            self.binding.close(flush=False)
         except Exception as err:  # noqa: BLE001 - the error that stopped the run is the one to report
             log.debug("closing the store after a failure: %s", err)
 
     def digest(self, checkpoint: Path | None = None) -> str:
         """The model digest (collective); tiered rows from the live store, or from ``checkpoint``'s
         snapshot of it when that was just written (the dense state and plain tables are the live ones)."""
-        tiered = set() if self.tiered is None else set(self.tiered.names)
-        plain = [t for t in self.tables if t.name not in tiered]
-        rows = list(dense_rows(self.dmp, plain))
-        if self.tiered is not None:
-            tt = self.tiered
-            for name in tt.names:
-                if checkpoint is None:
-                    rows += [(name, block) for block in tt.shard.local_rows(name)]
-                else:
-                    snapshot = checkpoint / f"store_rank_{self.env.rank}"
-                    rows += [(name, block) for block in tt.shard.snapshot_rows(name, snapshot)]
+        stored = set(self.binding.store_tables)
+        plain = [t for t in self.tables if t.name not in stored]
+        rows = list(dense_rows(self.dmp, plain)) + self.binding.digest_rows(checkpoint, self.env.rank)
         return model_digest(
             self.dmp,
             [t.name for t in self.tables],

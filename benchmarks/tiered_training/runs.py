@@ -2,9 +2,9 @@
 alternation of runs that the experiments share.
 
 The trainer is built with a :class:`~recsys.build.TrainSpec` of this program's parts: a progress bar that
-shows nothing (its warnings go to stderr, so stdout stays one JSON record per line), a feed that calls
-:func:`recsys.tiered.tiered_feed` and keeps the pipeline it returns (for its per-batch spans), and the
-experiment's tier binding (``TieredTables`` or a subclass of it).
+shows nothing (its warnings go to stderr, so stdout stays one JSON record per line) and the experiment's
+tier binding (``TieredTables`` or a subclass of it). The per-batch spans come from the pipeline of the
+fit's feed (``Trainer.last_feed``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from recsys.build import TrainSpec
 from recsys.config import RunConfig, config_from_dict
 from recsys.data.synthetic import SyntheticConfig, SyntheticCriteo
 from recsys.distributed import DistEnv
-from recsys.tiered import TieredTables, tiered_feed
+from recsys.tiered import TieredTables
 from recsys.trainer import Trainer
 
 # One rank with one intra-op thread: the pipeline's workers get the second core.
@@ -177,13 +177,7 @@ def train_once(
     """Build a Trainer (tier binding ``tables``), fit it, return throughput, CPU, tier and pipeline
     statistics; closes the trainer. ``prepare`` sees the started trainer before the fit."""
     cfg = make_config(overrides)
-    feeds: list[StagedPipeline] = []
-
-    def feed(*args: Any, **kwargs: Any) -> StagedPipeline:
-        feeds.append(tiered_feed(*args, **kwargs))
-        return feeds[-1]
-
-    spec = TrainSpec(tables=tables, feed=feed, progress=SilentProgress)
+    spec = TrainSpec(tables=tables, progress=SilentProgress)
     trainer = Trainer(cfg, env, out_dir=out_dir, spec=spec)
     try:
         trainer.start(resume=resume)
@@ -225,7 +219,7 @@ def train_once(
         "bound_by": pipe.get("bound_by"),
         "consumer_wait_fraction": pipe.get("consumer_wait_fraction"),
         "stage_ms": {k: 1e3 * v["busy_per_item_s"] for k, v in pipe.get("stages", {}).items()},
-        **(span_stats(feeds[-1], warmup_steps) if feeds else {}),
+        **(span_stats(trainer.last_feed, warmup_steps) if trainer.last_feed is not None else {}),
     }
 
 

@@ -120,12 +120,10 @@ class RunRecord:
         into.meta["spec"] = None if spec is None else spec_to_dict(spec)
         # Which tables' rows are in the store snapshots (the others are in the rank files): a resume
         # does not move rows between the two (Trainer.restore refuses a change).
-        into.meta["store_tables"] = [] if p.tiered is None else sorted(p.tiered.names)
+        into.meta["store_tables"] = list(p.binding.store_tables)
         # Bounded tables and their default rows: recsys export keeps only the rows the bounds say exist
         # and scores every other id with the default row, as evaluation does (recsys.bounded).
-        bounded = p.tiered.bounded if p.tiered is not None else None
-        if bounded is None and p.bounded is not None:
-            bounded = p.bounded.bounded
+        bounded = p.binding.bounded
         if bounded is not None:
             into.meta["bounds"] = {name: int(d) for name, d in sorted(bounded.default_ids.items())}
         return []

@@ -39,11 +39,7 @@ def _train(rank: int, world_size: int, overrides: list[str]) -> dict:
             trainer = Trainer(cfg, env, out_dir=Path(tmp))
             trainer.start(resume=False)
             summary = trainer.fit(MetricsLog(Path(tmp) / "m.jsonl", enabled=False))
-            bounded = (
-                trainer.tiered.bounded
-                if trainer.tiered is not None
-                else getattr(trainer.bounded, "bounded", None)
-            )
+            bounded = trainer.binding.bounded
             counters = {} if bounded is None else bounded.counters()
             out[name] = {"digest": trainer.digest(), "auc": summary["auc"], "counters": counters}
             if trainer.tiered is not None:
@@ -118,7 +114,7 @@ def _part(rank: int, world_size: int, arg: tuple[int, bool, list[str]]) -> dict:
     trainer = Trainer(cfg, env, out_dir=out_dir)
     trainer.start(resume=resume)
     trainer.fit(MetricsLog(out_dir / "m.jsonl", enabled=False))
-    bounded = trainer.tiered.bounded if trainer.tiered is not None else trainer.bounded.bounded
+    bounded = trainer.binding.bounded
     out = {"digest": trainer.digest(), "rows": sum(c["rows"] for c in bounded.counters().values())}
     trainer.close()
     return out

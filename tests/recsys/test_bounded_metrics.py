@@ -72,9 +72,7 @@ def _fit(env, settings: list[str], out_dir: Path | None = None, *, resume: bool 
     trainer.start(resume=resume)
     log = out_dir / "metrics.jsonl"
     summary = trainer.fit(MetricsLog(log, enabled=env.is_main))
-    bounded = trainer.tiered.bounded if trainer.tiered is not None else None
-    if trainer.bounded is not None:
-        bounded = trainer.bounded.bounded
+    bounded = trainer.binding.bounded
     out = {
         "counters": {} if bounded is None else bounded.counters(),
         "records": [json.loads(line) for line in log.read_text().splitlines()] if env.is_main else [],

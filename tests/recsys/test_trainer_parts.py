@@ -244,7 +244,7 @@ def _broken_tables(dmp, tables, *, plan):
     from recsys.tiered import TieredTables
 
     binding = TieredTables(dmp, tables, plan=plan)
-    binding.names = _Unlistable()  # type: ignore[assignment] - the trainer's assembly fails on it
+    binding.store_tables = _Unlistable()  # type: ignore[assignment] - the trainer's assembly fails on it
     return binding
 
 
