@@ -124,6 +124,12 @@ class OwnerRouting:
         self.router = Router(self.ownership, names=self.names, held=held)
         rules, default_ids = bounds
         self.bounded = BoundedTables(rules, default_ids, {n for n in held if n in rules}) if rules else None
+        # the default rows this rank owns: every batch may train them (the row-change stream puts them)
+        self._own_defaults = {
+            name: d
+            for name, d in (self.bounded.default_ids.items() if self.bounded is not None else ())
+            if name in held and self.owns(name, np.array([d], dtype=np.int64))[0]
+        }
         self.changes = RowChanges()
         self._pending: dict[int, list[RowChange]] = {}
         self._lock = threading.Lock()
@@ -143,10 +149,11 @@ class OwnerRouting:
             ]
             self._exchanges = {TRAIN: tuple(groups[:train_stages]), EVAL: (groups[-1],)}
 
-    def exchange(self, channel: str, stage: int = 0) -> Exchange:
-        """The exchange of ``channel``'s ``stage``-th collective stage (evaluation has one)."""
+    def exchange(self, channel: str, *, last: bool = False) -> Exchange:
+        """The exchange of ``channel``'s first collective stage, or of its ``last`` (the same one when the
+        channel has one stage)."""
         stages = self._exchanges[channel]
-        return stages[min(stage, len(stages) - 1)]
+        return stages[-1] if last else stages[0]
 
     def owns(self, name: str, ids: np.ndarray) -> np.ndarray:
         """(n,) bool: which ids of table ``name`` this rank owns."""
@@ -180,24 +187,21 @@ class OwnerRouting:
     ) -> dict[str, torch.Tensor]:
         """The owners' answers back to the ranks whose ids they are (collective on ``channel``'s last
         stage): per table, one for each value of this rank's batch."""
-        return self.router.return_slots(
-            routed, slots, self.exchange(channel, len(self._exchanges[channel]) - 1)
-        )
+        return self.router.return_slots(routed, slots, self.exchange(channel, last=True))
 
     def _record(
         self, batch_id: int, owner_ids: Mapping[str, torch.Tensor], removed: Mapping[str, np.ndarray]
     ) -> None:
-        defaults = {} if self.bounded is None else self.bounded.default_ids
         changes = []
         for name in self.names:
             if name not in owner_ids:
                 continue
             ids = owner_ids[name].numpy()
             ids = ids[ids != DEFAULT]
-            if name in defaults and self.owns(name, np.array([defaults[name]], dtype=np.int64))[0]:
-                ids = np.append(ids, defaults[name])  # every batch may train the default row
-            put = np.unique(ids)
-            changes.append(RowChange(batch_id, name, np.sort(removed.get(name, _NO_IDS)), put))
+            if name in self._own_defaults:
+                ids = np.append(ids, self._own_defaults[name])
+            # the removed ids come ascending from the bounds' decision
+            changes.append(RowChange(batch_id, name, removed.get(name, _NO_IDS), np.unique(ids)))
         with self._lock:
             self._pending[batch_id] = changes
 

@@ -219,7 +219,6 @@ class TieredTables:
             bounds=(plan.bounds, plan.default_ids),
             train_stages=2,
         )
-        self.ownership = self.routing.ownership
         self.bounded = self.routing.bounded
         self.changes = self.routing.changes
         specs = [
