@@ -28,10 +28,11 @@ from recsys.data.batch import Batch
 from recsys.data.source import Dataset, build_dataset
 from recsys.distributed import DistEnv
 from recsys.errors import UserError
+from recsys.exchange import ExchangeMeter, install_exchange
 from recsys.models import TrainModel, build_model, table_configs
 from recsys.routing import tiered_features
 from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
-from recsys.sparse import ShardingKind
+from recsys.sparse import ExchangeKind, ShardingKind
 from recsys.table_names import table_name
 from recsys.tiered import TieredTables, TierPlan, row_bytes, slot_row_bytes
 from recsys.windows import enable_frozen_windows
@@ -93,6 +94,7 @@ class ModelParts:
         capacities: the tiers' sizes per tiered feature (empty without tiers).
         binding: the tables' binding (:class:`~recsys.binding.TableBinding`): the tiered tables, or the
             in-memory ones.
+        exchange: what training batches send between ranks (:class:`~recsys.exchange.ExchangeMeter`).
     """
 
     data: Dataset
@@ -103,6 +105,7 @@ class ModelParts:
     dense_optimizer: Any
     capacities: Capacities
     binding: TableBinding
+    exchange: ExchangeMeter
 
     @property
     def tiered(self) -> TieredTables | None:
@@ -216,7 +219,8 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     )
     extra = None if spec.fused_params is None else spec.fused_params(tables)
     dmp = shard_model(model, tables, sparse=cfg.sparse, device=env.device, fused_extra=extra)
-    if windows > 1:
+    exchange = install_exchange(dmp, dmp.plan, kind=cfg.sparse.exchange, windows=windows, features=features)
+    if windows > 1 and cfg.sparse.exchange is ExchangeKind.POOLED:
         enable_frozen_windows(dmp, windows, env.world_size)
     init_embedding_rows(
         dmp, tables, seed=cfg.train.seed, scale=cfg.sparse.init_scale, precision=cfg.sparse.weights_precision
@@ -254,6 +258,7 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         dense_optimizer=optimizer.optimizers[1][1],
         capacities=capacities,
         binding=binding,
+        exchange=exchange,
     )
 
 

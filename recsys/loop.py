@@ -181,6 +181,8 @@ class TrainLoop:
             self._logs += 1
             for message in (thrash, feed.stall_warning()):
                 self._warn(message, bar)
+        extra["exchange"] = wire = t.parts.exchange.window()
+        postfix["wire_B"] = f"{wire['bytes_per_sample']:,.0f}"  # bytes per sample between ranks
         if self._bounds is not None:
             extra["bounds"] = bounds = self._bounds.window(state.step)
             share = bounds["default_share"]
@@ -299,6 +301,7 @@ class TrainLoop:
             last = self.evaluation(pipeline, bar)
         if tcfg.final_checkpoint and state.saved_step != state.step:
             self._checkpoint()
+        result["exchange"] = t.parts.exchange.over_run()
         result.update(
             auc=last.auc,
             logloss=last.logloss,

@@ -7,12 +7,19 @@ from dataclasses import dataclass
 
 from embedding_store import OptimizerKind, WeightsPrecision
 
-__all__ = ["Fp16Rounding", "ShardingKind", "SparseConfig"]
+__all__ = ["ExchangeKind", "Fp16Rounding", "ShardingKind", "SparseConfig"]
 
 
 class ShardingKind(enum.Enum):
     TABLE_WISE = "table_wise"  # each table lives whole on one rank
     ROW_WISE = "row_wise"  # each table's rows are split in blocks across ranks
+
+
+class ExchangeKind(enum.Enum):
+    """What crosses the wire between a rank and a table's owner in training (``recsys.exchange``)."""
+
+    POOLED = "pooled"  # TorchRec's EmbeddingBagCollection: ids there, one pooled vector per sample back
+    ROWS = "rows"  # each distinct id there once, its row back once per window, pooled by the requester
 
 
 class Fp16Rounding(enum.Enum):
@@ -44,6 +51,11 @@ class SparseConfig:
             only, so tiered and in-memory runs round alike; ``nearest``: FBGEMM's own float16 tables, whose
             kernels round each update to nearest even (half the slot memory; small updates can vanish).
             Ignored at ``fp32``.
+        exchange: ``pooled`` (default): TorchRec's exchange of pooled outputs, ``B x F x D`` values per
+            batch whatever its ids; ``rows``: each rank sends each distinct id of its batch once, gets each
+            row once per frozen window that uses it, pools locally and returns each distinct id's gradient
+            once per batch (``recsys/exchange.py``; it pays when a batch repeats ids, ``docs/design.md``).
+            Applies to every table (sum pooling, one embedding dimension, no per-sample weights).
     """
 
     optimizer: OptimizerKind = OptimizerKind.EXACT_ROWWISE_ADAGRAD
@@ -54,6 +66,7 @@ class SparseConfig:
     max_rows_per_table: int = 1_000_000
     weights_precision: WeightsPrecision = WeightsPrecision.FP32
     fp16_rounding: Fp16Rounding = Fp16Rounding.STOCHASTIC
+    exchange: ExchangeKind = ExchangeKind.POOLED
 
     def __post_init__(self) -> None:
         if not self.learning_rate > 0:

@@ -111,6 +111,31 @@ def test_tiered_digest_equals_untiered(world_size, sharding, optimizer):
         assert table["ssd"]["misses"] > 0 and table["host"]["hits"] > 0
 
 
+# The rows exchange (sparse.exchange = rows, recsys/exchange.py): the same tiered == untiered promise, with one
+# window and with four clustered ones.
+ROWS_CASES = [
+    (1, "table_wise", "exact_rowwise_adagrad", 1),
+    (2, "row_wise", "exact_adagrad", 4),
+    (2, "table_wise", "exact_sgd", 1),
+    pytest.param(2, "table_wise", "exact_rowwise_adagrad", 4, marks=pytest.mark.slow),
+    pytest.param(2, "row_wise", "exact_rowwise_adagrad", 1, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("world_size", "sharding", "optimizer", "windows"), ROWS_CASES)
+def test_rows_exchange_tiered_digest_equals_untiered(world_size, sharding, optimizer, windows):
+    device_rows, host_rows = (80, 240) if sharding == "row_wise" and world_size > 1 else (120, 360)
+    overrides = [f"sparse.sharding={sharding}", f"sparse.optimizer={optimizer}", "sparse.exchange=rows"]
+    tiers = [f"store.device_rows={device_rows}", f"store.host_rows={host_rows}"]
+    results = run_ranks(
+        world_size=world_size, fn=_train, arg=[*overrides, *tiers, f"pipeline.frozen_windows={windows}"]
+    )
+    for r in results:
+        assert r["tiered"]["digest"] == r["untiered"]["digest"]
+    for table in results[0]["tiered"]["tiers"].values():
+        assert table["device"]["evictions"] > 0 and table["ssd"]["misses"] > 0
+
+
 # Half-precision weights (sparse.weights_precision = fp16): float16 values on every tier, 132-byte rows in the
 # store; stochastic rounding (the default) or FBGEMM rounding to nearest.
 FP16_CASES = [

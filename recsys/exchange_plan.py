@@ -1,0 +1,242 @@
+"""What a rank's batch asks of the tables' owners under the ``rows`` exchange, and what crosses the wire.
+
+Pure functions of a batch and the tables' ownership: no process group. :mod:`recsys.exchange` runs them
+on every training batch, and ``recsys plan-exchange`` replays a recorded trace through them for world
+sizes no machine here has, so the replay and a real run count the same bytes.
+
+The ``rows`` exchange of one rank's batch of ``B`` samples cut into ``W`` windows (:func:`plan_rows`):
+
+- the ids of each table are deduplicated over the whole batch; each distinct id goes once to the rank
+  that owns its row, with a ``W``-bit mask of the windows that use it packed above the id (one int64);
+- for window ``w`` each owner sends back, once, every requested row whose mask has bit ``w``
+  (``rows_sent`` = the sum over windows of the window's distinct ids);
+- the requester pools each window's bags locally from those rows, as the EmbeddingBagCollection would;
+- the backward sums each distinct id's row gradient over all windows of the batch and sends it once
+  (``grad_rows_sent`` = the batch's distinct ids).
+
+The ``pooled`` exchange (TorchRec's EmbeddingBagCollection output distribution) sends every id of every
+sample with one length per sample, and for each sample one pooled vector per owner back and one gradient
+vector forward again. Only traffic between different ranks is counted: what a rank asks of itself never
+leaves it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from recsys.windows import window_sizes
+
+__all__ = [
+    "ID_BITS",
+    "MAX_ROWS_WINDOWS",
+    "ExchangeCounts",
+    "Ownership",
+    "RowRequests",
+    "plan_rows",
+    "pooled_counts",
+]
+
+ID_BITS = 48  # a local row index sits in the low 48 bits of a sent id; the window mask above it
+MAX_ROWS_WINDOWS = 63 - ID_BITS  # mask bits left below int64's sign bit
+ID_BYTES = 8  # an id (or a length) on the wire: int64
+VALUE_BYTES = 4  # an embedding value on the wire: float32
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Which rank owns which rows of each feature's table: the sharding plan's id-to-owner map.
+
+    Attributes:
+        features: the features in the batch's key order.
+        starts: per feature, the first row of each shard, ascending (table-wise: ``[0]``).
+        ranks: per feature, the rank holding each shard.
+        dims: per feature, the embedding dimension.
+    """
+
+    features: list[str]
+    starts: list[list[int]]
+    ranks: list[list[int]]
+    dims: list[int]
+
+    def __post_init__(self) -> None:
+        bounds, owner = [], []
+        for f, (starts, ranks) in enumerate(zip(self.starts, self.ranks, strict=True)):
+            bounds += [(f << ID_BITS) | s for s in starts]
+            owner += ranks
+        object.__setattr__(self, "_bounds", torch.tensor(bounds, dtype=torch.int64))
+        object.__setattr__(
+            self, "_starts", torch.tensor([s for ss in self.starts for s in ss], dtype=torch.int64)
+        )
+        object.__setattr__(self, "_owner", torch.tensor(owner, dtype=torch.int64))
+
+    def locate(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For keys ``(feature << ID_BITS) | id``: (owner rank, the id's row on its owner's shard)."""
+        shard = torch.searchsorted(self._bounds, keys, right=True) - 1  # type: ignore[attr-defined]
+        local = (keys & ((1 << ID_BITS) - 1)) - self._starts[shard]  # type: ignore[attr-defined]
+        return self._owner[shard], local  # type: ignore[attr-defined]
+
+
+@dataclass
+class ExchangeCounts:
+    """What one batch sends between different ranks, per feature (arrays of length F).
+
+    Attributes:
+        ids: ids sent to owners (``rows``: distinct ids with their window masks; ``pooled``: every id).
+        lengths: per-sample bag lengths sent to owners (``pooled`` only).
+        rows: rows owners send back, summed over windows.
+        grad_rows: row gradients sent to owners, once per distinct id.
+        pooled: pooled vectors owners send back, and as many gradient vectors sent to them.
+    """
+
+    ids: list[int]
+    lengths: list[int]
+    rows: list[int]
+    grad_rows: list[int]
+    pooled: list[int]
+    dims: list[int] = field(default_factory=list)
+
+    def bytes_per_feature(self) -> list[int]:
+        """Bytes on the wire per feature: ids and lengths as int64, vectors as float32."""
+        return [
+            ID_BYTES * (i + n) + VALUE_BYTES * d * (r + g + 2 * p)
+            for i, n, r, g, p, d in zip(
+                self.ids, self.lengths, self.rows, self.grad_rows, self.pooled, self.dims, strict=True
+            )
+        ]
+
+    def add(self, other: ExchangeCounts) -> None:
+        for name in ("ids", "lengths", "rows", "grad_rows", "pooled"):
+            setattr(
+                self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name), strict=True)]
+            )
+
+
+@dataclass(frozen=True)
+class RowRequests:
+    """One rank's ``rows`` requests for a batch, in send order (owner, then feature, then id).
+
+    Shapes: ``U`` distinct (feature, id) pairs, ``N`` id occurrences in the batch, ``W`` windows.
+
+    Attributes:
+        sent: (U,) int64, ``local row | mask << ID_BITS``: what each owner receives.
+        feature: (U,) feature index of each request.
+        owner: (U,) owner rank of each request (ascending).
+        per_owner: (world,) requests sent to each rank.
+        mask: (U,) int64 bit ``w`` set when window ``w`` uses the id.
+        occurrence: (N,) the request each id occurrence of the batch reads (index into ``sent``).
+        windows: the window sizes in samples.
+    """
+
+    sent: torch.Tensor
+    feature: torch.Tensor
+    owner: torch.Tensor
+    per_owner: list[int]
+    mask: torch.Tensor
+    occurrence: torch.Tensor
+    windows: list[int]
+
+
+def _keys(values: torch.Tensor, lengths_per_key: list[int]) -> torch.Tensor:
+    """(N,) ``feature << ID_BITS | id`` of every id occurrence of a KJT's values, features in key order."""
+    feature = torch.repeat_interleave(
+        torch.arange(len(lengths_per_key), dtype=torch.int64), torch.tensor(lengths_per_key)
+    )
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << ID_BITS):
+        raise ValueError(f"ids must lie in [0, 2**{ID_BITS}) for the rows exchange")
+    return (feature << ID_BITS) | values.to(torch.int64)
+
+
+def _window_of_values(lengths: torch.Tensor, batch: int, sizes: list[int]) -> torch.Tensor:
+    """(N,) the window of each id occurrence; ``lengths`` is the KJT's (F * B,) lengths."""
+    window_of_sample = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    return torch.repeat_interleave(window_of_sample.repeat(lengths.numel() // max(batch, 1)), lengths)
+
+
+def plan_rows(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    lengths_per_key: list[int],
+    batch: int,
+    windows: int,
+    ownership: Ownership,
+    world_size: int,
+) -> RowRequests:
+    """The ``rows`` requests of one rank's batch (a KJT's values and lengths, every feature exchanged).
+
+    Shapes: values (N,) ids, features in key order; lengths (F * B,).
+    """
+    if not 1 <= windows <= MAX_ROWS_WINDOWS:
+        raise ValueError(f"the rows exchange takes 1 to {MAX_ROWS_WINDOWS} windows, got {windows}")
+    sizes = window_sizes(batch, windows)
+    keys = _keys(values, lengths_per_key)
+    distinct, inverse = torch.unique(keys, sorted=True, return_inverse=True)  # (U,), (N,)
+    window = _window_of_values(lengths, batch, sizes)
+    mask = torch.zeros(distinct.numel(), dtype=torch.int64)
+    for w in range(windows):
+        used = torch.zeros(distinct.numel(), dtype=torch.bool)
+        used[inverse[window == w]] = True
+        mask |= used.to(torch.int64) << w
+    owner, local = ownership.locate(distinct)
+    order = torch.sort(owner, stable=True).indices  # send order: owner, then (feature, id)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel())
+    return RowRequests(
+        sent=(local | (mask << ID_BITS))[order],
+        feature=(distinct >> ID_BITS)[order],
+        owner=owner[order],
+        per_owner=torch.bincount(owner, minlength=world_size).tolist(),
+        mask=mask[order],
+        occurrence=position[inverse],
+        windows=sizes,
+    )
+
+
+def rows_counts(requests: RowRequests, *, rank: int, num_features: int, dims: list[int]) -> ExchangeCounts:
+    """What ``requests`` send between different ranks, per feature."""
+    remote = requests.owner != rank
+    feature = requests.feature[remote]
+    ids = torch.bincount(feature, minlength=num_features)
+    windows_used = torch.zeros_like(feature)
+    for w in range(len(requests.windows)):
+        windows_used += (requests.mask[remote] >> w) & 1
+    rows = torch.bincount(feature, weights=windows_used.double(), minlength=num_features)
+    zero = [0] * num_features
+    return ExchangeCounts(
+        ids=ids.tolist(),
+        lengths=list(zero),
+        rows=[int(r) for r in rows.tolist()],
+        grad_rows=ids.tolist(),
+        pooled=list(zero),
+        dims=list(dims),
+    )
+
+
+def pooled_counts(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    lengths_per_key: list[int],
+    batch: int,
+    ownership: Ownership,
+    rank: int,
+) -> ExchangeCounts:
+    """What the ``pooled`` exchange of a batch sends between different ranks, per feature: each id to its
+    owner, one bag length per sample to every remote shard owner, one pooled vector per sample back from
+    each of them (row-wise: a partial sum per shard) and one gradient vector to each."""
+    num_features = len(lengths_per_key)
+    owner, _ = ownership.locate(_keys(values, lengths_per_key))
+    feature = torch.repeat_interleave(torch.arange(num_features), torch.tensor(lengths_per_key))
+    ids = torch.bincount(feature[owner != rank], minlength=num_features).tolist()
+    remote_shards = [sum(1 for r in set(ranks) if r != rank) for ranks in ownership.ranks]
+    per_sample = [batch * n for n in remote_shards]
+    return ExchangeCounts(
+        ids=ids,
+        lengths=per_sample,
+        rows=[0] * num_features,
+        grad_rows=[0] * num_features,
+        pooled=per_sample,
+        dims=list(ownership.dims),
+    )
