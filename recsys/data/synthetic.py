@@ -17,6 +17,14 @@ used long ago keeps growing, as in a stream of new users and items. The Zipf sha
 unchanged, the offset is a function of the index alone (so the same for any world size), and the hidden
 model's per-id effects are hashes of the id, so new ids get effects of their own. The held-out split
 applies the same rule to its own indices: it has the ids of the start of the training stream.
+
+Requests (``request_size = k``, ``user_features = u``, ``interleave = m``), as in impression logs: sample ``i``
+belongs to request ``i // k``, and its first ``u`` sparse features are user-side: they are those of the
+request's first sample ``k * (i // k)`` (ids, lengths, drift), so one draw per request that all its samples
+share; the item-side features, the dense features and the label's own draw stay the sample's. Requests
+arrive interleaved: the stream is cut into blocks of ``m * k`` positions, and block ``b`` serves its samples
+``b*m*k + s`` in the order of the hashes ``mix64((b*m*k + s) ^ key(seed, "arrival", split))`` (a stable sort),
+a function of (seed, split, block) alone. So a batch is still a pure function of the positions it reads.
 """
 
 from __future__ import annotations
@@ -96,6 +104,7 @@ class SyntheticCriteo:
         self._pairs = np.array([(i, i + 1) for i in range(0, f - 1, 2)], dtype=np.int64).reshape(-1, 2)
         self._feature_keys = [_key(seed, "id", i) for i in range(f)]
         self._hidden_keys = [_key(seed, "hidden", i) for i in range(f)]
+        self._arrival_keys = {split: _key(seed, "arrival", n) for split, n in _SPLITS.items()}
         # Centre the logit so that roughly a quarter of the samples are positive, as in click logs.
         self._bias = -1.1
         self._stats: dict[str, SplitStats] | None = None
@@ -162,16 +171,17 @@ class SyntheticCriteo:
         return SplitStats(rows=rows, positives=positives, sampled=sampled)
 
     def samples(self, index: np.ndarray, *, split: str = "train") -> Batch:
-        """The samples with the given global indices (uint64) of a split."""
+        """The samples at the given global positions (uint64) of a split."""
         from recsys.data.batch import block_batch
 
         return block_batch(self.sample_block(index, split=split), self.config.feature_names)
 
     def sample_block(self, index: np.ndarray, *, split: str = "train") -> Block:
-        """The samples with the given global indices (uint64) of a split, as a block (no origin)."""
+        """The samples at the given global positions (uint64) of a split, as a block (no origin)."""
         cfg = self.config
-        b = index.shape[0]
-        base = _mix(index ^ _key(self.seed, "split", _SPLITS[split]))  # (B,)
+        sample = self._arrival(index, split)  # (B,) the sample each position serves
+        b = sample.shape[0]
+        base = self._base(sample, split)  # (B,)
 
         def uniform(*salt: int) -> np.ndarray:
             return _unit(_mix(base + _key(*salt)))
@@ -184,15 +194,14 @@ class SyntheticCriteo:
             )  # 1 - u is exact
             dense[:, j] = portable_math.log(1.0 + counts)
 
-        shift = self._drift_offset(index)  # (B,) uint64 or None
+        users = cfg.user_features if cfg.request_size > 1 else 0  # one-sample requests: the stream of before
         lengths = np.empty((cfg.num_sparse, b), dtype=np.int64)
         ids = np.empty((cfg.num_sparse, b, cfg.multi_hot), dtype=np.int64)
-        for f in range(cfg.num_sparse):
-            lengths[f] = (
-                1 if cfg.multi_hot == 1 else 1 + np.floor(uniform(2, f) * cfg.multi_hot).astype(np.int64)
-            )
-            for s in range(cfg.multi_hot):
-                ids[f, :, s] = self._zipf_ids(uniform(3, f, s), f, shift)
+        if users:  # drawn once per request, from its first sample's index
+            first, back = np.unique(sample - sample % np.uint64(cfg.request_size), return_inverse=True)
+            user_lengths, user_ids = self._sparse(self._base(first, split), first, range(users))
+            lengths[:users], ids[:users] = user_lengths[:, back], user_ids[:, back]
+        lengths[users:], ids[users:] = self._sparse(base, sample, range(users, cfg.num_sparse))
 
         logit = self._hidden_logit(dense, ids, lengths)
         labels = (uniform(4) < 1.0 / (1.0 + portable_math.exp(-logit))).astype(np.float32)
@@ -202,6 +211,39 @@ class SyntheticCriteo:
         return Block(dense, jagged, labels)
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _base(self, sample: np.ndarray, split: str) -> np.ndarray:
+        """The per-sample hash every field of the samples ``sample`` (B,) is drawn from."""
+        return _mix(sample ^ _key(self.seed, "split", _SPLITS[split]))
+
+    def _arrival(self, index: np.ndarray, split: str) -> np.ndarray:
+        """The sample each stream position serves, shape (B,) uint64: the position itself unless requests
+        interleave; else the position's slot in its block's hash-sorted order (see the module docstring).
+        Each block the positions touch is sorted whole, hence the cap on its size (``MAX_ARRIVAL_BLOCK``)."""
+        cfg = self.config
+        if cfg.interleave == 1:
+            return index
+        width = np.uint64(cfg.interleave * cfg.request_size)
+        blocks, back = np.unique(index // width, return_inverse=True)  # (N,), (B,)
+        starts = blocks * width  # (N,)
+        slots = starts[:, None] + np.arange(int(width), dtype=np.uint64)  # (N, m*k)
+        order = np.argsort(_mix(slots ^ self._arrival_keys[split]), axis=1, kind="stable")  # (N, m*k)
+        return starts[back] + order[back, (index % width).astype(np.int64)].astype(np.uint64)
+
+    def _sparse(self, base: np.ndarray, sample: np.ndarray, features: range) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths (F', B) and padded ids (F', B, multi_hot) of ``features`` for the samples ``sample`` (B,)
+        whose hashes are ``base`` (B,)."""
+        cfg = self.config
+        shift = self._drift_offset(sample)  # (B,) uint64 or None
+        lengths = np.ones((len(features), sample.shape[0]), dtype=np.int64)
+        ids = np.empty((len(features), sample.shape[0], cfg.multi_hot), dtype=np.int64)
+        for row, f in enumerate(features):
+            if cfg.multi_hot > 1:
+                u = _unit(_mix(base + _key(2, f)))
+                lengths[row] = 1 + np.floor(u * cfg.multi_hot).astype(np.int64)
+            for s in range(cfg.multi_hot):
+                ids[row, :, s] = self._zipf_ids(_unit(_mix(base + _key(3, f, s))), f, shift)
+        return lengths, ids
 
     def _drift_offset(self, index: np.ndarray) -> np.ndarray | None:
         """``floor(index * drift_ranks_per_sample)`` mod 2**64 as uint64, shape (B,); None without drift."""

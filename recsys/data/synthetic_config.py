@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MAX_ID_SPACE", "SyntheticConfig"]
+__all__ = ["MAX_ARRIVAL_BLOCK", "MAX_ID_SPACE", "SyntheticConfig"]
 
 MAX_ID_SPACE = 1 << 63
+# The most samples an interleaved arrival block may hold: each batch sorts the whole blocks it touches.
+MAX_ARRIVAL_BLOCK = 1 << 16
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -32,6 +34,15 @@ class SyntheticConfig:
             ``r - floor(i * d)`` has at index 0, so a brand-new id takes the top rank every ``1 / d``
             samples and older ids fall into the tail; counted in samples, so the drift does not depend on
             the batch size or the world size.
+        request_size: samples per request ``k`` (in [1, 2**63]; 1: every sample is a request of its own).
+            Sample ``i`` belongs to request ``i // k``.
+        user_features: the first ``user_features`` sparse features (in [0, num_sparse]) are user-side: every
+            sample of a request has that feature of the request's first sample (ids, lengths and the drift
+            of index ``k * (i // k)``), so one draw per request. The others are item-side, drawn per
+            sample. With ``request_size = 1`` they are ordinary features and the stream is unchanged.
+        interleave: requests that arrive interleaved (>= 1; 1: in order, each request's samples
+            contiguous). The stream is cut into blocks of ``interleave * request_size`` positions (at most
+            2**16), and each block serves its samples in an order fixed by (seed, split, block) alone.
     """
 
     num_dense: int = 13
@@ -45,6 +56,9 @@ class SyntheticConfig:
     linear_strength: float = 0.6
     eval_samples: int = 65_536
     drift_ranks_per_sample: float = 0.0
+    request_size: int = 1
+    user_features: int = 0
+    interleave: int = 1
 
     def __post_init__(self) -> None:
         if self.num_dense < 0:
@@ -70,6 +84,19 @@ class SyntheticConfig:
         if not 0.0 <= self.drift_ranks_per_sample <= MAX_ID_SPACE:
             raise ValueError(
                 f"drift_ranks_per_sample must be in [0, 2**63], got {self.drift_ranks_per_sample}"
+            )
+        if not 1 <= self.request_size <= MAX_ID_SPACE:
+            raise ValueError(f"request_size must be in [1, 2**63], got {self.request_size}")
+        if not 0 <= self.user_features <= self.num_sparse:
+            raise ValueError(
+                f"user_features must be in [0, num_sparse={self.num_sparse}], got {self.user_features}"
+            )
+        if self.interleave < 1:
+            raise ValueError(f"interleave must be >= 1, got {self.interleave}")
+        if self.interleave > 1 and self.interleave * self.request_size > MAX_ARRIVAL_BLOCK:
+            raise ValueError(
+                f"interleave must be 1 or at most 2**16 // request_size = {MAX_ARRIVAL_BLOCK // self.request_size}"
+                f" (samples per arrival block), got {self.interleave}"
             )
 
     @property
