@@ -23,6 +23,7 @@ from recsys.bounded import default_id
 from recsys.bounded_memory import InMemoryTables
 from recsys.capacities import Capacities, mismatch_warning
 from recsys.capacity_advice import SlotsAdvice
+from recsys.clustering import cluster_order, permute_batch
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.data.source import Dataset, build_dataset
@@ -262,7 +263,14 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     )
 
 
-def fold_source(batches: Iterable[Batch], fold: list[int], start: int, stop: int) -> Any:
-    """``(step, batch)`` for steps [start, stop) of a rank's batches, ids folded where needed."""
-    for step, batch in zip(range(start, stop), batches, strict=False):
-        yield step, fold_ids(batch, fold)
+def fold_source(
+    batches: Iterable[Batch], fold: list[int], span: tuple[int, int], *, cluster_windows: int = 1
+) -> Any:
+    """``(step, batch)`` for steps ``span`` = [start, stop) of a rank's batches, ids folded where needed;
+    ``cluster_windows`` > 1: each batch reordered so that samples sharing ids share one of that many
+    windows (``pipeline.cluster = "keys"``)."""
+    for step, batch in zip(range(*span), batches, strict=False):
+        folded = fold_ids(batch, fold)
+        if cluster_windows > 1:
+            folded = permute_batch(folded, cluster_order(folded.sparse, cluster_windows))
+        yield step, folded

@@ -7,12 +7,20 @@ in memory: the load stage alone, ``Trainer.feed``).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from embedding_store.threads import lower_thread_priority
 from pipelines.config import TRACE_BATCHES, PipelineConfig, PipelineMode, Stage
 
 __all__ = ["PipelineSection"]
+
+
+class ClusterKind(enum.Enum):
+    """How a rank's training batch is cut into its frozen windows."""
+
+    NONE = "none"  # in arrival order
+    KEYS = "keys"  # samples that share ids in the same window (recsys/clustering.py)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -32,12 +40,18 @@ class PipelineSection:
             embeddings are exchanged window by window, each window's dense compute overlapping the later
             windows' exchange, with one sparse update per batch. 1 (default) keeps the batch whole; more
             matches the unsplit run to rounding, not bitwise.
+        cluster: ``none`` (default): windows take a rank's batch in arrival order; ``keys``: the batch is
+            reordered first so that samples sharing ids share a window (``recsys/clustering.py``, a function
+            of the batch alone; windows keep their sizes), which makes the ``rows`` exchange
+            (``sparse.exchange``) send fewer rows. The model changes by rounding only (the dense
+            gradients are summed in another order). Nothing to do with one window.
     """
 
     mode: PipelineMode = PipelineMode.PIPELINED
     trace_batches: int = TRACE_BATCHES
     worker_nice: int = 10
     frozen_windows: int = 1
+    cluster: ClusterKind = ClusterKind.NONE
 
     def __post_init__(self) -> None:
         if self.trace_batches < 0:

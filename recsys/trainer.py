@@ -39,6 +39,7 @@ from recsys.errors import UserError
 from recsys.evaluation import Evaluator
 from recsys.health import StepHealth
 from recsys.metrics import MetricsLog, rewind_metrics
+from recsys.pipeline_config import ClusterKind
 from recsys.rounding import StepRounding
 from recsys.selection import BestTracker
 from recsys.train_state import TrainState
@@ -138,7 +139,9 @@ class Trainer:
             batch_size=self.config.train.batch_size,
             start_step=start,
         )
-        source = fold_source(batches, self.fold, start, stop)
+        pipeline = self.config.pipeline
+        windows = pipeline.frozen_windows if pipeline.cluster is ClusterKind.KEYS else 1
+        source = fold_source(batches, self.fold, (start, stop), cluster_windows=windows)
         batches_out, self.last_feed = self.binding.feed(
             source, section=self.config.pipeline, device=self.env.device, rank=self.env.rank
         )

@@ -63,7 +63,7 @@ def _stream(rank: int, world_size: int, overrides: list[str]) -> dict:
             )
             ids = {
                 step: {f: v.numpy() for f, v in values_by_feature(batch.sparse).items()}
-                for step, batch in fold_source(batches, trainer.fold, 0, STEPS)
+                for step, batch in fold_source(batches, trainer.fold, (0, STEPS))
             }
         out[placement] = {
             "changes": [(c.batch_id, c.table, c.deleted.tolist(), c.put.tolist()) for c in changes],

@@ -188,7 +188,7 @@ def _max_rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     ("world_size", "overrides"),
     [
         (1, ["sparse.sharding=table_wise"]),
-        (2, ["sparse.sharding=row_wise", "pipeline.frozen_windows=4"]),
+        (2, ["sparse.sharding=row_wise", "pipeline.frozen_windows=4", "pipeline.cluster=keys"]),
         (2, ["sparse.sharding=table_wise", "sparse.optimizer=exact_sgd"]),
     ],
 )

@@ -112,7 +112,7 @@ def test_tiered_digest_equals_untiered(world_size, sharding, optimizer):
 
 
 # The rows exchange (sparse.exchange = rows, recsys/exchange.py): the same tiered == untiered promise, with one
-# window and with four clustered ones.
+# window and with four windows of a key-clustered batch (pipeline.cluster = keys).
 ROWS_CASES = [
     (1, "table_wise", "exact_rowwise_adagrad", 1),
     (2, "row_wise", "exact_adagrad", 4),
@@ -127,9 +127,8 @@ def test_rows_exchange_tiered_digest_equals_untiered(world_size, sharding, optim
     device_rows, host_rows = (80, 240) if sharding == "row_wise" and world_size > 1 else (120, 360)
     overrides = [f"sparse.sharding={sharding}", f"sparse.optimizer={optimizer}", "sparse.exchange=rows"]
     tiers = [f"store.device_rows={device_rows}", f"store.host_rows={host_rows}"]
-    results = run_ranks(
-        world_size=world_size, fn=_train, arg=[*overrides, *tiers, f"pipeline.frozen_windows={windows}"]
-    )
+    windowed = [f"pipeline.frozen_windows={windows}", f"pipeline.cluster={'keys' if windows > 1 else 'none'}"]
+    results = run_ranks(world_size=world_size, fn=_train, arg=[*overrides, *tiers, *windowed])
     for r in results:
         assert r["tiered"]["digest"] == r["untiered"]["digest"]
     for table in results[0]["tiered"]["tiers"].values():
