@@ -29,8 +29,9 @@ from recsys.data.batch import Batch
 from recsys.data.source import Dataset, build_dataset
 from recsys.distributed import DistEnv
 from recsys.errors import UserError
-from recsys.exchange import ExchangeMeter, install_exchange
+from recsys.exchange import AUTO_TRACE_BATCHES, ExchangeMeter, SparseExchange, choose_exchange
 from recsys.models import TrainModel, build_model, table_configs
+from recsys.pipeline_config import ClusterKind
 from recsys.routing import tiered_features
 from recsys.sharding import build_optimizer, init_embedding_rows, shard_model
 from recsys.sparse import ExchangeKind, ShardingKind
@@ -220,8 +221,8 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
     )
     extra = None if spec.fused_params is None else spec.fused_params(tables)
     dmp = shard_model(model, tables, sparse=cfg.sparse, device=env.device, fused_extra=extra)
-    exchange = install_exchange(dmp, dmp.plan, kind=cfg.sparse.exchange, windows=windows, features=features)
-    if windows > 1 and cfg.sparse.exchange is ExchangeKind.POOLED:
+    exchange = _install_exchange(cfg, env, dmp, data=data, fold=fold, tiered=[f in tiered for f in features])
+    if windows > 1 and exchange.kind == ExchangeKind.POOLED.value:
         enable_frozen_windows(dmp, windows, env.world_size)
     init_embedding_rows(
         dmp, tables, seed=cfg.train.seed, scale=cfg.sparse.init_scale, precision=cfg.sparse.weights_precision
@@ -261,6 +262,41 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         binding=binding,
         exchange=exchange,
     )
+
+
+def _install_exchange(
+    cfg: RunConfig,
+    env: DistEnv,
+    dmp: DistributedModelParallel,
+    *,
+    data: Dataset,
+    fold: list[int],
+    tiered: list[bool],
+) -> ExchangeMeter:
+    """Each table's exchange (``sparse.exchange``, ``sparse.exchange_tables``), ``auto`` resolved from this
+    run's first training batches as the training will send them (collective)."""
+    features = data.feature_names
+    try:
+        kinds = cfg.sparse.exchange_kinds(features)
+    except ValueError as err:
+        raise UserError(f"sparse.{err}") from None
+    windows = cfg.pipeline.frozen_windows
+    exchange = SparseExchange(dmp, dmp.plan, features, windows=windows)
+    detail = None
+    if ExchangeKind.AUTO in kinds:
+        batches = data.train_batches(
+            rank=env.rank, world_size=env.world_size, batch_size=cfg.train.batch_size, start_step=0
+        )
+        cluster = windows if cfg.pipeline.cluster is ClusterKind.KEYS else 1
+        trace = [
+            exchange.slotted(batch.sparse, tiered)
+            for _, batch in fold_source(batches, fold, (0, AUTO_TRACE_BATCHES), cluster_windows=cluster)
+        ]
+        chosen, detail = choose_exchange(exchange, trace)
+        kinds = [c if k is ExchangeKind.AUTO else k for k, c in zip(kinds, chosen, strict=True)]
+    meter = exchange.install(kinds)
+    meter.auto = detail
+    return meter
 
 
 def fold_source(

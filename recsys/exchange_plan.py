@@ -34,8 +34,10 @@ __all__ = [
     "ExchangeCounts",
     "Ownership",
     "RowRequests",
+    "batch_counts",
     "plan_rows",
     "pooled_counts",
+    "rows_counts",
 ]
 
 ID_BITS = 48  # a local row index sits in the low 48 bits of a sent id; the window mask above it
@@ -88,6 +90,8 @@ class ExchangeCounts:
         rows: rows owners send back, summed over windows.
         grad_rows: row gradients sent to owners, once per distinct id.
         pooled: pooled vectors owners send back, and as many gradient vectors sent to them.
+        header: int64 values of the rows exchange's header (per other rank: one count per feature and
+            the batch size), not a table's.
     """
 
     ids: list[int]
@@ -96,6 +100,7 @@ class ExchangeCounts:
     grad_rows: list[int]
     pooled: list[int]
     dims: list[int] = field(default_factory=list)
+    header: int = 0
 
     def bytes_per_feature(self) -> list[int]:
         """Bytes on the wire per feature: ids and lengths as int64, vectors as float32."""
@@ -106,11 +111,19 @@ class ExchangeCounts:
             )
         ]
 
-    def add(self, other: ExchangeCounts) -> None:
-        for name in ("ids", "lengths", "rows", "grad_rows", "pooled"):
-            setattr(
-                self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name), strict=True)]
-            )
+    def total_bytes(self) -> int:
+        """Bytes on the wire, the header's included."""
+        return sum(self.bytes_per_feature()) + ID_BYTES * self.header
+
+    def merged(self, other: ExchangeCounts, take: list[bool]) -> ExchangeCounts:
+        """Per feature, ``other``'s counts where ``take`` is True, these elsewhere; headers added."""
+        pick = {
+            name: [
+                b if t else a for a, b, t in zip(getattr(self, name), getattr(other, name), take, strict=True)
+            ]
+            for name in ("ids", "lengths", "rows", "grad_rows", "pooled")
+        }
+        return ExchangeCounts(**pick, dims=self.dims, header=self.header + other.header)
 
 
 @dataclass(frozen=True)
@@ -163,8 +176,10 @@ def plan_rows(
     windows: int,
     ownership: Ownership,
     world_size: int,
+    features: torch.Tensor | None = None,
 ) -> RowRequests:
-    """The ``rows`` requests of one rank's batch (a KJT's values and lengths, every feature exchanged).
+    """The ``rows`` requests of one rank's batch (a KJT's values and lengths); ``features``: (F,) bool,
+    the features exchanged as rows (None: all). The occurrences of other features read request -1.
 
     Shapes: values (N,) ids, features in key order; lengths (F * B,).
     """
@@ -172,8 +187,12 @@ def plan_rows(
         raise ValueError(f"the rows exchange takes 1 to {MAX_ROWS_WINDOWS} windows, got {windows}")
     sizes = window_sizes(batch, windows)
     keys = _keys(values, lengths_per_key)
-    distinct, inverse = torch.unique(keys, sorted=True, return_inverse=True)  # (U,), (N,)
     window = _window_of_values(lengths, batch, sizes)
+    chosen = None
+    if features is not None:
+        chosen = features[keys >> ID_BITS]  # (N,) the occurrences exchanged as rows
+        keys, window = keys[chosen], window[chosen]
+    distinct, inverse = torch.unique(keys, sorted=True, return_inverse=True)  # (U,), (N',)
     mask = torch.zeros(distinct.numel(), dtype=torch.int64)
     for w in range(windows):
         used = torch.zeros(distinct.numel(), dtype=torch.bool)
@@ -183,13 +202,16 @@ def plan_rows(
     order = torch.sort(owner, stable=True).indices  # send order: owner, then (feature, id)
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel())
+    occurrence = position[inverse]
+    if chosen is not None:
+        occurrence = torch.full((chosen.numel(),), -1, dtype=torch.int64).masked_scatter_(chosen, occurrence)
     return RowRequests(
         sent=(local | (mask << ID_BITS))[order],
         feature=(distinct >> ID_BITS)[order],
         owner=owner[order],
         per_owner=torch.bincount(owner, minlength=world_size).tolist(),
         mask=mask[order],
-        occurrence=position[inverse],
+        occurrence=occurrence,
         windows=sizes,
     )
 
@@ -222,16 +244,19 @@ def pooled_counts(
     batch: int,
     ownership: Ownership,
     rank: int,
+    features: torch.Tensor | None = None,
 ) -> ExchangeCounts:
     """What the ``pooled`` exchange of a batch sends between different ranks, per feature: each id to its
     owner, one bag length per sample to every remote shard owner, one pooled vector per sample back from
-    each of them (row-wise: a partial sum per shard) and one gradient vector to each."""
+    each of them (row-wise: a partial sum per shard) and one gradient vector to each. ``features``: (F,)
+    bool, the features counted (None: all; others count 0)."""
     num_features = len(lengths_per_key)
     owner, _ = ownership.locate(_keys(values, lengths_per_key))
     feature = torch.repeat_interleave(torch.arange(num_features), torch.tensor(lengths_per_key))
-    ids = torch.bincount(feature[owner != rank], minlength=num_features).tolist()
+    counted = torch.ones(num_features, dtype=torch.bool) if features is None else features
+    ids = torch.bincount(feature[(owner != rank) & counted[feature]], minlength=num_features).tolist()
     remote_shards = [sum(1 for r in set(ranks) if r != rank) for ranks in ownership.ranks]
-    per_sample = [batch * n for n in remote_shards]
+    per_sample = [batch * n if c else 0 for n, c in zip(remote_shards, counted.tolist(), strict=True)]
     return ExchangeCounts(
         ids=ids,
         lengths=per_sample,
@@ -240,3 +265,30 @@ def pooled_counts(
         pooled=per_sample,
         dims=list(ownership.dims),
     )
+
+
+def batch_counts(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    lengths_per_key: list[int],
+    batch: int,
+    windows: int,
+    ownership: Ownership,
+    rank: int,
+    world_size: int,
+    rows: torch.Tensor,
+) -> tuple[ExchangeCounts, RowRequests | None]:
+    """What one rank's batch sends between ranks when the features ``rows`` ((F,) bool) go as rows and
+    the others pooled: TorchRec's pooled exchange when none goes as rows, else the rows exchange with its
+    header. Also the rows requests (None without rows features)."""
+    num_features = len(lengths_per_key)
+    args = {"lengths_per_key": lengths_per_key, "batch": batch, "ownership": ownership}
+    pooled = pooled_counts(values, lengths, rank=rank, features=~rows, **args)
+    if not bool(rows.any()):
+        return pooled, None
+    requests = plan_rows(values, lengths, windows=windows, world_size=world_size, features=rows, **args)
+    counts = rows_counts(requests, rank=rank, num_features=num_features, dims=ownership.dims)
+    merged = pooled.merged(counts, rows.tolist())
+    merged.header = (world_size - 1) * (num_features + 1)
+    return merged, requests

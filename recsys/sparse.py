@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from embedding_store import OptimizerKind, WeightsPrecision
 
@@ -20,6 +20,7 @@ class ExchangeKind(enum.Enum):
 
     POOLED = "pooled"  # TorchRec's EmbeddingBagCollection: ids there, one pooled vector per sample back
     ROWS = "rows"  # each distinct id there once, its row back once per window, pooled by the requester
+    AUTO = "auto"  # per table, whichever sends fewer bytes over the run's first batches
 
 
 class Fp16Rounding(enum.Enum):
@@ -54,8 +55,11 @@ class SparseConfig:
         exchange: ``pooled`` (default): TorchRec's exchange of pooled outputs, ``B x F x D`` values per
             batch whatever its ids; ``rows``: each rank sends each distinct id of its batch once, gets each
             row once per frozen window that uses it, pools locally and returns each distinct id's gradient
-            once per batch (``recsys/exchange.py``; it pays when a batch repeats ids, ``docs/design.md``).
-            Applies to every table (sum pooling, one embedding dimension, no per-sample weights).
+            once per batch (``recsys/exchange.py``; it pays when a batch repeats ids, ``docs/design.md``);
+            ``auto``: per table, whichever sends fewer bytes between ranks over the run's first 16
+            batches (recorded in ``summary.json``). Rows need sum pooling, one embedding dimension and no
+            per-sample weights.
+        exchange_tables: per feature, an exchange overriding ``exchange`` for its table.
     """
 
     optimizer: OptimizerKind = OptimizerKind.EXACT_ROWWISE_ADAGRAD
@@ -67,6 +71,7 @@ class SparseConfig:
     weights_precision: WeightsPrecision = WeightsPrecision.FP32
     fp16_rounding: Fp16Rounding = Fp16Rounding.STOCHASTIC
     exchange: ExchangeKind = ExchangeKind.POOLED
+    exchange_tables: dict[str, ExchangeKind] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.learning_rate > 0:
@@ -77,6 +82,17 @@ class SparseConfig:
             raise ValueError(f"init_scale must be >= 0, got {self.init_scale}")
         if self.max_rows_per_table < 1:
             raise ValueError(f"max_rows_per_table must be >= 1, got {self.max_rows_per_table}")
+
+    def exchange_kinds(self, features: list[str]) -> list[ExchangeKind]:
+        """Each feature's exchange as configured (``auto`` not yet resolved).
+
+        Raises:
+            ValueError: ``exchange_tables`` names a feature the data does not have.
+        """
+        unknown = sorted(set(self.exchange_tables) - set(features))
+        if unknown:
+            raise ValueError(f"exchange_tables names unknown features {unknown}; features are {features}")
+        return [self.exchange_tables.get(f, self.exchange) for f in features]
 
     @property
     def fp16_tables(self) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from recsys.config import config_from_dict
 from recsys.exchange_plan import ID_BITS, Ownership, plan_rows, pooled_counts, rows_counts
+from recsys.sparse import ExchangeKind
 from recsys.windows import window_sizes
 from tests.multiprocess import run_ranks
 
@@ -154,15 +155,19 @@ BASE = [
 ]
 
 
-def _train(rank: int, world_size: int, overrides: list[str]) -> dict:
+RUNS = (("pooled", []), ("rows", ["sparse.exchange=rows"]), ("seed", ["train.seed=7"]))
+
+
+def _train(rank: int, world_size: int, arg: tuple[list[str], tuple]) -> dict:
     from recsys.distributed import init_distributed
     from recsys.metrics import MetricsLog
     from recsys.sharding import local_shards
     from recsys.trainer import Trainer
 
+    overrides, runs = arg
     env = init_distributed(threads_per_rank=1)
     out = {}
-    for name, extra in (("pooled", []), ("rows", ["sparse.exchange=rows"]), ("seed", ["train.seed=7"])):
+    for name, extra in runs:
         cfg = config_from_dict({}, [*BASE, *overrides, *extra, f"train.nproc={world_size}"])
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(cfg, env, out_dir=Path(tmp))
@@ -188,30 +193,86 @@ def _max_rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     ("world_size", "overrides"),
     [
         (1, ["sparse.sharding=table_wise"]),
+        (
+            1,
+            [
+                "sparse.sharding=row_wise",
+                "pipeline.frozen_windows=3",
+                'sparse.exchange_tables={cat_1 = "pooled"}',
+            ],
+        ),
         (2, ["sparse.sharding=row_wise", "pipeline.frozen_windows=4", "pipeline.cluster=keys"]),
         (2, ["sparse.sharding=table_wise", "sparse.optimizer=exact_sgd"]),
+        (
+            2,
+            [
+                "sparse.sharding=row_wise",
+                "pipeline.frozen_windows=2",
+                'sparse.exchange_tables={cat_0 = "pooled"}',
+            ],
+        ),
+        (
+            2,
+            [
+                "sparse.sharding=table_wise",
+                "pipeline.frozen_windows=4",
+                'sparse.exchange_tables={cat_2 = "pooled"}',
+            ],
+        ),
     ],
 )
 def test_rows_trains_the_model_pooled_trains(world_size, overrides) -> None:
-    """On one rank rows and pooled train the same model bit for bit: the rows come back unchanged (bags of
+    """On one rank with one window rows and pooled train the same model bit for bit: the rows come back unchanged (bags of
     one row), each window's bags are summed in occurrence order as FBGEMM sums them, and a row's gradient
     is summed in occurrence order before FBGEMM's optimizer sees it once. On more ranks a row's gradient is
     summed per requester, then the owner adds the requesters' sums, where the pooled exchange sums every
-    occurrence in one pass: the models agree to rounding, and another seed is far away. (Element-wise
+    occurrence in one pass, and with windows a row's gradient is summed per window, then over windows:
+    the models agree to rounding, and another seed is far away. (Element-wise
     Adagrad turns the rounding of a gradient near zero into a step of +-learning_rate, so the multi-rank
-    cases use row-wise Adagrad and SGD.)"""
-    for r in run_ranks(world_size=world_size, fn=_train, arg=overrides):
-        if world_size == 1:
+    cases use row-wise Adagrad and SGD.) A table set to ``pooled`` goes through the rows exchange as pooled
+    vectors, and the same holds."""
+    mixed = any(o.startswith("sparse.exchange_tables") for o in overrides)
+    for r in run_ranks(world_size=world_size, fn=_train, arg=(overrides, RUNS)):
+        if world_size == 1 and not any(o.startswith("pipeline.frozen_windows") for o in overrides):
             for key, value in r["pooled"]["state"].items():
                 assert np.array_equal(r["rows"]["state"][key], value), key
         assert _max_rel(r["rows"]["state"], r["pooled"]["state"]) < 1e-3
         assert _max_rel(r["seed"]["state"], r["pooled"]["state"]) > 0.5
         assert r["rows"]["logloss"] == pytest.approx(r["pooled"]["logloss"], rel=1e-5)
         exchange = r["rows"]["summary"]["exchange"]
-        assert exchange["kind"] == "rows" and r["pooled"]["summary"]["exchange"]["kind"] == "pooled"
+        assert exchange["kind"] == ("mixed" if mixed else "rows")
         pooled = r["pooled"]["summary"]["exchange"]
-        if world_size > 1:  # what crossed: rows and row gradients, or pooled vectors
-            assert exchange["rows"] >= exchange["grad_rows"] > 0 and exchange["pooled"] == 0
+        assert pooled["kind"] == "pooled"
+        if world_size > 1:  # what crossed: rows and row gradients, and pooled vectors for pooled tables
+            assert exchange["rows"] >= exchange["grad_rows"] > 0 and (exchange["pooled"] > 0) == mixed
             assert pooled["pooled"] > 0 and pooled["rows"] == 0
         else:
             assert exchange["bytes"] == pooled["bytes"] == 0
+
+
+def test_auto_picks_the_cheaper_exchange_of_each_table() -> None:
+    """A 50-id table repeats its ids (rows are cheaper), two 200,000-id multi-hot ones do not (pooled is):
+    ``auto``, choosing over the first 16 batches of a 16-step run, sends for each table exactly the bytes
+    of the cheaper of the all-pooled and all-rows runs."""
+    overrides = ["synthetic.id_spaces=[50, 200000, 200000]", "train.steps=16", "pipeline.frozen_windows=2"]
+    runs = (("pooled", []), ("rows", ["sparse.exchange=rows"]), ("auto", ["sparse.exchange=auto"]))
+    r = run_ranks(world_size=2, fn=_train, arg=(overrides, runs))[0]
+    tables = {name: r[name]["summary"]["exchange"]["tables"] for name, _ in runs}
+    assert {t: v["kind"] for t, v in tables["auto"].items()} == {
+        "t_cat_0": "rows",
+        "t_cat_1": "pooled",
+        "t_cat_2": "pooled",
+    }
+    for t, v in tables["auto"].items():
+        assert v["bytes_per_sample"] == min(
+            tables["pooled"][t]["bytes_per_sample"], tables["rows"][t]["bytes_per_sample"]
+        )
+    detail = r["auto"]["summary"]["exchange"]["auto"]
+    assert all((d["rows"] < d["pooled"]) == (tables["auto"][t]["kind"] == "rows") for t, d in detail.items())
+
+
+def test_exchange_tables_naming_an_unknown_feature_is_refused() -> None:
+    from recsys.sparse import SparseConfig
+
+    with pytest.raises(ValueError, match="exchange_tables names unknown features"):
+        SparseConfig(exchange_tables={"nope": ExchangeKind.ROWS}).exchange_kinds(["cat_0"])

@@ -114,18 +114,22 @@ def test_tiered_digest_equals_untiered(world_size, sharding, optimizer):
 # The rows exchange (sparse.exchange = rows, recsys/exchange.py): the same tiered == untiered promise, with one
 # window and with four windows of a key-clustered batch (pipeline.cluster = keys).
 ROWS_CASES = [
-    (1, "table_wise", "exact_rowwise_adagrad", 1),
-    (2, "row_wise", "exact_adagrad", 4),
-    (2, "table_wise", "exact_sgd", 1),
-    pytest.param(2, "table_wise", "exact_rowwise_adagrad", 4, marks=pytest.mark.slow),
-    pytest.param(2, "row_wise", "exact_rowwise_adagrad", 1, marks=pytest.mark.slow),
+    (1, "table_wise", "exact_rowwise_adagrad", 1, ""),
+    (2, "row_wise", "exact_adagrad", 4, ""),
+    (2, "table_wise", "exact_sgd", 1, ""),
+    (2, "row_wise", "exact_rowwise_adagrad", 2, "cat_1"),  # cat_1's table pooled inside the rows exchange
+    pytest.param(2, "table_wise", "exact_rowwise_adagrad", 4, "", marks=pytest.mark.slow),
+    pytest.param(2, "row_wise", "exact_rowwise_adagrad", 1, "", marks=pytest.mark.slow),
+    pytest.param(2, "table_wise", "exact_adagrad", 4, "cat_0", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("world_size", "sharding", "optimizer", "windows"), ROWS_CASES)
-def test_rows_exchange_tiered_digest_equals_untiered(world_size, sharding, optimizer, windows):
+@pytest.mark.parametrize(("world_size", "sharding", "optimizer", "windows", "pooled"), ROWS_CASES)
+def test_rows_exchange_tiered_digest_equals_untiered(world_size, sharding, optimizer, windows, pooled):
     device_rows, host_rows = (80, 240) if sharding == "row_wise" and world_size > 1 else (120, 360)
     overrides = [f"sparse.sharding={sharding}", f"sparse.optimizer={optimizer}", "sparse.exchange=rows"]
+    if pooled:
+        overrides.append(f'sparse.exchange_tables={{{pooled} = "pooled"}}')
     tiers = [f"store.device_rows={device_rows}", f"store.host_rows={host_rows}"]
     windowed = [f"pipeline.frozen_windows={windows}", f"pipeline.cluster={'keys' if windows > 1 else 'none'}"]
     results = run_ranks(world_size=world_size, fn=_train, arg=[*overrides, *tiers, *windowed])

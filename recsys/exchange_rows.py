@@ -1,0 +1,425 @@
+"""The rows exchange on ``torch.distributed``: the training exchange of a sharded EmbeddingBagCollection
+when some of its tables go as rows (``recsys.exchange``; what is sent: ``recsys.exchange_plan``).
+
+One batch, seen from a rank (``B`` samples, ``W`` windows, ``D`` the embedding dimension):
+
+- ``input_dist`` (a batch ahead under TorchRec's pipeline): one all-to-all of a header per rank (a count
+  per feature, and ``B``), then one of the payload: per owner, the distinct ids of its rows tables (each
+  with its window mask), then for each pooled table it holds a shard of, the ``B`` bag lengths and the
+  ids it owns;
+- ``compute_and_output_dist``: the owner runs each FBGEMM module of its shards once over every rank's
+  requests (a rows request is a bag of one row), then for each window sends every requester the rows
+  whose mask has the window's bit and the pooled vectors of the window's samples (one all-to-all per
+  window, asynchronous); the requester pools each window's rows bags itself and adds the owners' pooled
+  parts (row-wise: one partial sum per shard, added in rank order);
+- backward: the requester adds each request's gradients over all windows (a row used by three windows
+  gets one sum) and sends them in one all-to-all; the owner's FBGEMM module applies the fused optimizer
+  once, as with TorchRec's exchange. The gradients are divided by the world size where TorchRec divides
+  its own (``get_gradient_division``).
+
+Sums run in occurrence order (``index_add``), so a tiered run, whose ids are slots, adds the same numbers
+in the same order as an in-memory one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
+from torchrec.distributed.embedding_types import KJTList
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from recsys.errors import UserError
+from recsys.exchange_plan import ID_BITS, Ownership, RowRequests, batch_counts
+from recsys.exchange_wire import Ready, VectorsAllToAll, WindowOutput, WindowPlan
+from recsys.windows import window_sizes
+
+__all__ = ["RowsExchange"]
+
+_LOW = (1 << ID_BITS) - 1
+
+
+@dataclass
+class _Incoming:
+    """A batch's id exchange in flight: this rank's requests and what the other ranks ask of it."""
+
+    features: KeyedJaggedTensor
+    requests: RowRequests
+    pooled_owner: torch.Tensor  # (N,) owner of each id occurrence of a pooled feature (-1: rows feature)
+    asked: torch.Tensor  # (world, F + 1) what each rank sends here: a count per feature, and its batch size
+    received: torch.Tensor  # (sum,) int64 payloads, rank-major
+    work: Any  # the payload all-to-all, or None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+@dataclass(frozen=True)
+class _LocalTable:
+    """One feature's table shard on this rank: its FBGEMM module and columns in that module's output."""
+
+    feature: int
+    module: torch.nn.Module
+    position: int  # the table's index among the module's features
+    columns: tuple[int, int]
+
+
+class RowsExchange:
+    """The training exchange of a sharded EmbeddingBagCollection, tables ``rows`` as rows, others pooled.
+
+    Args:
+        ebc: the sharded collection (its FBGEMM modules hold the rows and the fused optimizer).
+        ownership: the id-to-owner map of every feature, in the batch's key order.
+        rows: (F,) bool, the features exchanged as rows (at least one).
+        record: called with each batch's counts and samples (:class:`~recsys.exchange.ExchangeMeter`).
+        windows: frozen windows per training batch (1: one).
+    """
+
+    def __init__(
+        self,
+        ebc: ShardedEmbeddingBagCollection,
+        ownership: Ownership,
+        rows: torch.Tensor,
+        record: Any,
+        *,
+        windows: int,
+    ) -> None:
+        self.ebc, self.ownership, self.rows, self.record, self.windows = ebc, ownership, rows, record, windows
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.group = dist.group.WORLD if dist.is_initialized() else None
+        dims = set(ownership.dims)
+        if len(dims) != 1:
+            raise UserError(
+                f"sparse.exchange=rows needs one embedding dimension for every table, got {sorted(dims)}"
+            )
+        self.dim = dims.pop()
+        self.local = self._local_tables()
+        num_features = len(ownership.features)
+        # per rank, the pooled features it holds a shard of, in feature order
+        self.pooled_of = [
+            [f for f in range(num_features) if not rows[f] and r in ownership.ranks[f]]
+            for r in range(self.world_size)
+        ]
+        self._input_dist = ebc.input_dist
+        self._compute_and_output_dist = ebc.compute_and_output_dist
+
+    def _local_tables(self) -> list[_LocalTable]:
+        index = {f: i for i, f in enumerate(self.ownership.features)}
+        out = []
+        for lookup in self.ebc._lookups:
+            for module in getattr(lookup, "_emb_modules", []):
+                column = 0
+                for position, table in enumerate(module.config.embedding_tables):
+                    width = table.local_cols
+                    out.append(
+                        _LocalTable(index[table.feature_names[0]], module, position, (column, column + width))
+                    )
+                    column += width
+        return out
+
+    def install(self) -> None:
+        """Take over the collection's training exchange (instance attributes: TorchRec's pipelined forward
+        and ``ShardedModule.forward`` both call them); evaluation keeps TorchRec's."""
+        self.ebc.input_dist = self.input_dist  # type: ignore[method-assign]
+        self.ebc.compute_and_output_dist = self.compute_and_output_dist  # type: ignore[method-assign]
+
+    # -- the id exchange ------------------------------------------------------------------------------
+    def input_dist(self, ctx: Any, features: KeyedJaggedTensor) -> Any:
+        if not self.ebc.training:
+            return self._input_dist(ctx, features)
+        if features.weights_or_none() is not None:
+            raise UserError("sparse.exchange=rows does not take per-sample weights")
+        if list(features.keys()) != self.ownership.features:
+            raise UserError(
+                f"sparse.exchange=rows: batch features {features.keys()} are not the tables' "
+                f"{self.ownership.features}"
+            )
+        if self.ebc._has_uninitialized_input_dist:  # evaluation's exchange is TorchRec's: set it up once
+            self.ebc._create_input_dist(features.keys())
+            self.ebc._has_uninitialized_input_dist = False
+        batch, num_features, world = features.stride(), len(self.ownership.features), self.world_size
+        values, lengths, per_key = features.values(), features.lengths(), features.length_per_key()
+        counts, requests = batch_counts(
+            values,
+            lengths,
+            lengths_per_key=per_key,
+            batch=batch,
+            windows=self.windows,
+            ownership=self.ownership,
+            rank=self.rank,
+            world_size=world,
+            rows=self.rows,
+        )
+        assert requests is not None
+        self.record(counts, batch)
+        # pooled features: each id occurrence to the owner of its row, lengths per (owner, feature, sample)
+        feature = torch.repeat_interleave(torch.arange(num_features), torch.tensor(per_key))
+        pooled = ~self.rows[feature]
+        owner, local = self.ownership.locate((feature << ID_BITS) | values)
+        pooled_owner = torch.where(pooled, owner, -1)
+        sample = torch.repeat_interleave(torch.arange(num_features * batch), lengths) % batch
+        slot = (owner * num_features + feature) * batch + sample
+        bag_lengths = torch.bincount(slot[pooled], minlength=world * num_features * batch).view(
+            world, num_features, batch
+        )
+        order = torch.sort(pooled_owner[pooled], stable=True).indices
+        pooled_local = local[pooled][order]
+        pooled_per_owner = torch.bincount(owner[pooled], minlength=world)
+        header = torch.zeros((world, num_features + 1), dtype=torch.int64)
+        header[:, :num_features] = torch.bincount(
+            requests.owner * num_features + requests.feature, minlength=world * num_features
+        ).view(world, num_features)
+        header[:, :num_features] += torch.bincount(
+            owner[pooled] * num_features + feature[pooled], minlength=world * num_features
+        ).view(world, num_features)
+        header[:, num_features] = batch
+        parts, sizes, rows_start, pooled_start = [], [], 0, 0
+        for o in range(world):
+            rows_n, pooled_n = requests.per_owner[o], int(pooled_per_owner[o])
+            held = self.pooled_of[o]
+            parts += [
+                requests.sent[rows_start : rows_start + rows_n],
+                bag_lengths[o, held].reshape(-1),
+                pooled_local[pooled_start : pooled_start + pooled_n],
+            ]
+            sizes.append(rows_n + len(held) * batch + pooled_n)
+            rows_start, pooled_start = rows_start + rows_n, pooled_start + pooled_n
+        payload = torch.cat(parts)
+        asked = torch.empty_like(header)
+        work = None
+        if world == 1:
+            asked.copy_(header)
+            received = payload
+        else:
+            dist.all_to_all_single(asked, header, group=self.group)
+            held = len(self.pooled_of[self.rank])  # pooled tables here: B lengths from each rank for each
+            per_rank = [
+                int(asked[r, :num_features].sum()) + held * int(asked[r, num_features]) for r in range(world)
+            ]
+            received = torch.empty(sum(per_rank), dtype=torch.int64)
+            work = dist.all_to_all_single(
+                received,
+                payload,
+                output_split_sizes=per_rank,
+                input_split_sizes=sizes,
+                group=self.group,
+                async_op=True,
+            )
+        incoming = _Incoming(features, requests, pooled_owner, asked, received, work)
+        return KJTListSplitsAwaitable([Ready(Ready(incoming))], ctx)
+
+    # -- lookup, vector exchange, pooling ------------------------------------------------------------------
+    def compute_and_output_dist(self, ctx: Any, dist_input: Any) -> Any:
+        incoming = dist_input[0] if isinstance(dist_input, KJTList | list) else dist_input
+        if not isinstance(incoming, _Incoming):
+            return self._compute_and_output_dist(ctx, dist_input)
+        incoming.wait()
+        served, blocks = self._lookup(incoming)
+        plan = self._plan(incoming, blocks)
+        vectors = VectorsAllToAll.apply(served, plan)
+        pool = self._pooler(incoming, plan)
+        outs = [WindowOutput(pool, plan, vectors[w], w) for w in range(self.windows)]
+        return outs if self.windows > 1 else outs[0]
+
+    def _segments(self, incoming: _Incoming) -> list[dict[str, Any]]:
+        """Each requester's payload cut up: rows ids per rows feature, lengths and ids per pooled one."""
+        num_features = len(self.ownership.features)
+        held = self.pooled_of[self.rank]
+        out, start = [], 0
+        for r in range(self.world_size):
+            counts, batch = incoming.asked[r, :num_features].tolist(), int(incoming.asked[r, num_features])
+            seg: dict[str, Any] = {"batch": batch, "rows": {}, "lengths": {}, "ids": {}}
+            for f in range(num_features):
+                if self.rows[f] and counts[f]:
+                    seg["rows"][f] = incoming.received[start : start + counts[f]] & _LOW
+                    start += counts[f]
+            for f in held:
+                seg["lengths"][f] = incoming.received[start : start + batch]
+                start += batch
+            for f in held:
+                seg["ids"][f] = incoming.received[start : start + counts[f]]
+                start += counts[f]
+            out.append(seg)
+        return out
+
+    def _lookup(self, incoming: _Incoming) -> tuple[torch.Tensor, list[list[int]]]:
+        """(V, D) the vectors this rank serves, requester-major (its rows requests, then each pooled
+        table's samples), and per requester the sizes of those blocks."""
+        segs = self._segments(incoming)
+        by_module: dict[int, list[_LocalTable]] = {}
+        for table in self.local:
+            by_module.setdefault(id(table.module), []).append(table)
+        pieces: dict[int, list[torch.Tensor]] = {}  # feature -> per requester, its vectors
+        for tables in by_module.values():
+            ordered = sorted(tables, key=lambda t: t.position)
+            bags_per_table, values, lengths = [], [], []
+            for table in ordered:
+                f, n = table.feature, 0
+                for seg in segs:
+                    if self.rows[f]:
+                        ids = seg["rows"].get(f, torch.zeros(0, dtype=torch.int64))
+                        values.append(ids)
+                        lengths.append(torch.ones(ids.numel(), dtype=torch.int64))
+                        n += ids.numel()
+                    else:
+                        values.append(seg["ids"][f])
+                        lengths.append(seg["lengths"][f])
+                        n += seg["batch"]
+                bags_per_table.append(n)
+            bags = max(bags_per_table)
+            padded = []
+            for k, n in enumerate(bags_per_table):  # each table's bags, then empty ones up to ``bags``
+                padded += [
+                    *lengths[k * self.world_size : (k + 1) * self.world_size],
+                    torch.zeros(bags - n, dtype=torch.int64),
+                ]
+            kjt = KeyedJaggedTensor(
+                keys=[str(t.position) for t in ordered],
+                values=torch.cat(values),
+                lengths=torch.cat(padded),
+                stride=bags,
+            )
+            out = ordered[0].module(kjt)  # (bags, module columns); a bag of one row is the row itself
+            for table, n in zip(ordered, bags_per_table, strict=True):
+                vectors = out[:n, table.columns[0] : table.columns[1]]
+                if self.rows[table.feature]:
+                    sizes = [
+                        int(seg["rows"][table.feature].numel()) if table.feature in seg["rows"] else 0
+                        for seg in segs
+                    ]
+                else:
+                    sizes = [seg["batch"] for seg in segs]
+                pieces[table.feature] = list(torch.split(vectors, sizes))
+        parts, blocks = [], []
+        held = self.pooled_of[self.rank]
+        for r, seg in enumerate(segs):
+            rows_part = [pieces[f][r] for f in sorted(seg["rows"])]
+            pooled_part = [pieces[f][r] for f in held]
+            parts += rows_part + pooled_part
+            blocks.append([sum(p.shape[0] for p in rows_part), seg["batch"]])
+        if (
+            not parts or sum(p.shape[0] for p in parts) == 0
+        ):  # still a node of the graph: its backward joins in
+            return torch.zeros((0, self.dim), requires_grad=True), blocks
+        return torch.cat(parts), blocks
+
+    def _plan(self, incoming: _Incoming, blocks: list[list[int]]) -> WindowPlan:
+        requests, world, held_here = incoming.requests, self.world_size, self.pooled_of[self.rank]
+        # serving side: per requester r, its rows requests (masks in the payload) then |held| x B_r vectors
+        num_features = len(self.ownership.features)
+        served_masks, start = [], 0
+        for r in range(world):
+            counts, batch_r = incoming.asked[r, :num_features], int(incoming.asked[r, num_features])
+            n_rows = int(counts[self.rows].sum())
+            served_masks.append(incoming.received[start : start + n_rows] >> ID_BITS)
+            start += n_rows + len(held_here) * batch_r + int(counts[~self.rows].sum())
+        serve, serve_sizes, get, get_sizes = [], [], [], []
+        batch = incoming.features.stride()
+        mine_sizes = window_sizes(batch, self.windows)
+        # requesting side: per owner o, G holds its rows requests then |pooled_of[o]| x B vectors
+        g_start, total = [], 0
+        for o in range(world):
+            g_start.append(total)
+            total += requests.per_owner[o] + len(self.pooled_of[o]) * batch
+        request_g = torch.arange(requests.sent.numel()) + torch.repeat_interleave(
+            torch.tensor([g_start[o] - sum(requests.per_owner[:o]) for o in range(world)]),
+            torch.tensor(requests.per_owner),
+        )
+        served_per = [rows_n + len(held_here) * batch_r for rows_n, batch_r in blocks]
+        served_base = [sum(served_per[:r]) for r in range(world)]
+        for w in range(self.windows):
+            idx, sizes = [], []
+            for r in range(world):
+                base = served_base[r]
+                on = torch.nonzero((served_masks[r] >> w) & 1).flatten() + base
+                b_sizes = window_sizes(blocks[r][1], self.windows)
+                lo, hi = sum(b_sizes[:w]), sum(b_sizes[: w + 1])
+                pooled_idx = [
+                    torch.arange(lo, hi) + base + blocks[r][0] + k * blocks[r][1]
+                    for k in range(len(held_here))
+                ]
+                idx += [on, *pooled_idx]
+                sizes.append(int(on.numel()) + len(held_here) * (hi - lo))
+            serve.append(torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64))
+            serve_sizes.append(sizes)
+            lo, hi = sum(mine_sizes[:w]), sum(mine_sizes[: w + 1])
+            mine = ((requests.mask >> w) & 1).bool()
+            g_idx, g_sizes = [], []
+            for o in range(world):
+                sel = mine & (requests.owner == o)
+                rows_g = request_g[sel]
+                pooled_g = [
+                    torch.arange(lo, hi) + g_start[o] + requests.per_owner[o] + k * batch
+                    for k in range(len(self.pooled_of[o]))
+                ]
+                g_idx += [rows_g, *pooled_g]
+                g_sizes.append(int(rows_g.numel()) + len(self.pooled_of[o]) * (hi - lo))
+            get.append(torch.cat(g_idx) if g_idx else torch.zeros(0, dtype=torch.int64))
+            get_sizes.append(g_sizes)
+        return WindowPlan(
+            windows=self.windows,
+            serve=serve,
+            serve_sizes=serve_sizes,
+            get=get,
+            get_sizes=get_sizes,
+            requested=total,
+            asked_of=[requests.per_owner[o] + len(self.pooled_of[o]) * batch for o in range(world)],
+            served=sum(served_per),
+            served_from=served_per,
+            request_g=request_g,
+            group=self.group,
+            world_size=world,
+            works=[],
+        )
+
+    def _pooler(self, incoming: _Incoming, plan: WindowPlan) -> Any:
+        kjt, request_g = incoming.features, plan.request_g
+        num_features, batch = len(self.ownership.features), kjt.stride()
+        sizes = window_sizes(batch, self.windows)
+        lengths, offsets = kjt.lengths().view(num_features, batch), kjt.offsets()
+        rows_features = [f for f in range(num_features) if self.rows[f]]
+        g_start = [0]
+        for o in range(self.world_size):
+            g_start.append(g_start[-1] + incoming.requests.per_owner[o] + len(self.pooled_of[o]) * batch)
+
+        def pool(vectors: torch.Tensor, w: int) -> KeyedTensor:
+            start, size = sum(sizes[:w]), sizes[w]
+            position = torch.full((plan.requested,), -1, dtype=torch.int64)  # request -> row of ``vectors``
+            position[plan.get[w]] = torch.arange(plan.get[w].numel())
+            sources, bags = [], []
+            for f in rows_features:
+                lo, hi = int(offsets[f * batch + start]), int(offsets[f * batch + start + size])
+                occurrence = incoming.requests.occurrence[lo:hi]
+                sources.append(position[request_g[occurrence]])
+                bags.append(
+                    f * size + torch.repeat_interleave(torch.arange(size), lengths[f, start : start + size])
+                )
+            for o in range(
+                self.world_size
+            ):  # owners in rank order: row-wise partial sums added in that order
+                for k, f in enumerate(self.pooled_of[o]):
+                    first = g_start[o] + incoming.requests.per_owner[o] + k * batch + start
+                    sources.append(position[first : first + size])
+                    bags.append(f * size + torch.arange(size))
+            index = torch.cat(sources) if sources else torch.zeros(0, dtype=torch.int64)
+            bag = torch.cat(bags) if bags else torch.zeros(0, dtype=torch.int64)
+            # sums in occurrence order, and so are the gradients (index_select's backward is an index_add
+            # in source order): F.embedding_bag's backward sorts indices without a stable order
+            pooled = vectors.new_zeros((num_features * size, self.dim)).index_add(
+                0, bag, vectors.index_select(0, index)
+            )
+            values = (
+                pooled.view(num_features, size, self.dim)
+                .transpose(0, 1)
+                .reshape(size, num_features * self.dim)
+            )
+            return KeyedTensor(keys=list(kjt.keys()), length_per_key=[self.dim] * num_features, values=values)
+
+        return pool
