@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.recsys.tiny import run_train, tiny_config
 
 CONFIG = tiny_config(
@@ -24,13 +26,25 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def test_fp16_resumed_on_another_world_size_equals_in_memory(tmp_path, cli_env):
+ROWS = (
+    "--set",
+    "sparse.exchange=rows",
+    "--set",
+    "pipeline.frozen_windows=2",
+    "--set",
+    "pipeline.cluster=keys",
+)
+
+
+@pytest.mark.parametrize("exchange", [(), ROWS], ids=["pooled", "rows"])
+def test_fp16_resumed_on_another_world_size_equals_in_memory(tmp_path, cli_env, exchange):
+    """Also with the rows exchange (recsys/exchange.py) and two key-clustered windows."""
     config = tmp_path / "c.toml"
     config.write_text(CONFIG)
     digests = {}
     for tiered in ("true", "false"):
         out = tmp_path / f"tiered_{tiered}"
-        mode = ("--set", f"store.tiered={tiered}")
+        mode = ("--set", f"store.tiered={tiered}", *exchange)
         run_train(config, out, "--nproc", "2", *mode, env=cli_env)
         resumed = run_train(
             config, out, "--resume", "--nproc", "1", "--set", "train.steps=40", *mode, env=cli_env
@@ -41,6 +55,8 @@ def test_fp16_resumed_on_another_world_size_equals_in_memory(tmp_path, cli_env):
         digests[tiered] = summary["model_digest"]
     assert digests["true"] == digests["false"]
 
+    if exchange:
+        return
     # the same run resumed as fp32 would train another model: refused in one line, nothing changed
     out = tmp_path / "tiered_true"
     before = (out / "summary.json").read_bytes()

@@ -117,7 +117,8 @@ ROWS_CASES = [
     (1, "table_wise", "exact_rowwise_adagrad", 1, ""),
     (2, "row_wise", "exact_adagrad", 4, ""),
     (2, "table_wise", "exact_sgd", 1, ""),
-    (2, "row_wise", "exact_rowwise_adagrad", 2, "cat_1"),  # cat_1's table pooled inside the rows exchange
+    (2, "row_wise", "exact_rowwise_adagrad", 2, "cat_1"),  # cat_1's table pooled inside the rows exchange,
+    # and the tiers' stages run inline (pipeline.mode = sequential, below)
     pytest.param(2, "table_wise", "exact_rowwise_adagrad", 4, "", marks=pytest.mark.slow),
     pytest.param(2, "row_wise", "exact_rowwise_adagrad", 1, "", marks=pytest.mark.slow),
     pytest.param(2, "table_wise", "exact_adagrad", 4, "cat_0", marks=pytest.mark.slow),
@@ -129,7 +130,7 @@ def test_rows_exchange_tiered_digest_equals_untiered(world_size, sharding, optim
     device_rows, host_rows = (80, 240) if sharding == "row_wise" and world_size > 1 else (120, 360)
     overrides = [f"sparse.sharding={sharding}", f"sparse.optimizer={optimizer}", "sparse.exchange=rows"]
     if pooled:
-        overrides.append(f'sparse.exchange_tables={{{pooled} = "pooled"}}')
+        overrides += [f'sparse.exchange_tables={{{pooled} = "pooled"}}', "pipeline.mode=sequential"]
     tiers = [f"store.device_rows={device_rows}", f"store.host_rows={host_rows}"]
     windowed = [f"pipeline.frozen_windows={windows}", f"pipeline.cluster={'keys' if windows > 1 else 'none'}"]
     results = run_ranks(world_size=world_size, fn=_train, arg=[*overrides, *tiers, *windowed])
