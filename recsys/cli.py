@@ -3,6 +3,8 @@
 ``recsys train --config FILE [--set section.key=value ...] [--out DIR] [--nproc N] [--resume]``
 ``recsys preprocess FILE... --out DIR [--no-label] [--on-error raise|skip]`` (Criteo TSV → TorchRec npy)
 ``recsys tune-cache --config FILE --device-budget SIZE --host-budget SIZE [--batches N] --out DIR``
+``recsys plan-exchange --config FILE [--set section.key=value ...] [--steps N]`` (bytes per sample of the
+pooled and rows exchanges on 2 to 512 ranks, replayed without processes)
 ``recsys plot --run DIR [--out FILE.png]`` (one PNG of a run's curves; reads JSON only)
 
 User errors (bad config keys or values, missing files, bad ``--set`` syntax) print one line and exit
@@ -93,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--nproc", type=int, default=None, help="ranks of the run (overrides train.nproc)")
     tune.add_argument("--out", required=True, type=Path, help="folder for tune.json, tune.md and plots")
+    exchange = sub.add_parser(
+        "plan-exchange", help="bytes per sample of the pooled and rows exchanges on 2, 8, 64 and 512 ranks"
+    )
+    exchange.add_argument("--config", required=True, type=Path, help="TOML config of the training run")
+    exchange.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), as for train",
+    )  # fmt: skip
+    exchange.add_argument(
+        "--steps", type=int, default=20, help="training batches per rank to replay, from step 0 (default 20)"
+    )
     serving.register(sub)  # evaluate, export, predict
     plot = sub.add_parser("plot", help="draw a run's loss, held-out metrics and tier hit rates as one PNG")
     plot.add_argument("--run", required=True, type=Path, help="run directory (as given to train --out)")
@@ -340,6 +353,25 @@ def _tune_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_exchange(args: argparse.Namespace) -> int:
+    from recsys.config import load_config
+    from recsys.errors import UserError
+
+    if args.steps < 1:
+        return _fail(f"--steps must be >= 1, got {args.steps}")
+    try:
+        config = load_config(args.config, args.overrides)
+        from recsys.exchange_replay import ReplaySetup, plan_exchange, report_lines  # torch: after the config
+
+        setup = ReplaySetup.from_config(config)
+        results = plan_exchange(setup, steps=args.steps)
+    except UserError as err:
+        return _fail(str(err))
+    for line in report_lines(setup, results, steps=args.steps):
+        print(line)
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from recsys.errors import UserError
     from recsys.plot import describe, plot_run  # JSON and matplotlib only: no torch
@@ -366,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         return _preprocess(args)
     if args.command == "tune-cache":
         return _tune_cache(args)
+    if args.command == "plan-exchange":
+        return _plan_exchange(args)
     if args.command == "plot":
         return _plot(args)
     if args.command in serving.COMMANDS:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.errors import UserError
@@ -32,14 +32,15 @@ from recsys.exchange_rows import RowsExchange
 from recsys.routing import owner_of_ids
 from recsys.sparse import ExchangeKind
 
-__all__ = ["ExchangeMeter", "SparseExchange", "choose_exchange", "sharded_collection"]
+__all__ = ["ExchangeMeter", "SparseExchange", "choose_exchange", "ownership_of", "sharded_collection"]
 
 AUTO_TRACE_BATCHES = 16  # training batches ``auto`` replays to choose each table's exchange
 
 
-def _ownership(ebc: ShardedEmbeddingBagCollection, plan: dict[str, Any], features: list[str]) -> Ownership:
-    """The id-to-owner map of ``features`` from the module's sharding plan (``{table: ParameterSharding}``)."""
-    by_feature = {cfg.feature_names[0]: cfg for cfg in ebc._embedding_bag_configs}
+def ownership_of(configs: list[EmbeddingBagConfig], plan: dict[str, Any], features: list[str]) -> Ownership:
+    """The id-to-owner map of ``features`` (tables ``configs``) from a module's sharding plan
+    (``{table: ParameterSharding}``)."""
+    by_feature = {cfg.feature_names[0]: cfg for cfg in configs}
     starts, ranks, dims = [], [], []
     for f in features:
         cfg = by_feature[f]
@@ -135,7 +136,7 @@ class SparseExchange:
         self.ebc = sharded_collection(model)
         self.configs = {cfg.feature_names[0]: cfg for cfg in self.ebc._embedding_bag_configs}
         (module_plan,) = [p for p in plan.plan.values() if {c.name for c in self.configs.values()} <= set(p)]
-        self.ownership = _ownership(self.ebc, dict(module_plan), features)
+        self.ownership = ownership_of(self.ebc._embedding_bag_configs, dict(module_plan), features)
         self.features, self.windows = list(features), windows
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1

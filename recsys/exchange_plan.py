@@ -1,8 +1,9 @@
 """What a rank's batch asks of the tables' owners under the ``rows`` exchange, and what crosses the wire.
 
 Pure functions of a batch and the tables' ownership: no process group. :mod:`recsys.exchange` runs them
-on every training batch, and ``recsys plan-exchange`` replays a recorded trace through them for world
-sizes no machine here has, so the replay and a real run count the same bytes.
+on every training batch, ``auto`` runs them over a run's first batches, and ``recsys plan-exchange``
+replays a config's batches through them for world sizes no machine here has, so the replay and a real
+run count the same bytes.
 
 The ``rows`` exchange of one rank's batch of ``B`` samples cut into ``W`` windows (:func:`plan_rows`):
 
@@ -110,6 +111,14 @@ class ExchangeCounts:
                 self.ids, self.lengths, self.rows, self.grad_rows, self.pooled, self.dims, strict=True
             )
         ]
+
+    def add(self, other: ExchangeCounts) -> None:
+        """Add ``other``'s counts to these, feature by feature."""
+        for name in ("ids", "lengths", "rows", "grad_rows", "pooled"):
+            setattr(
+                self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name), strict=True)]
+            )
+        self.header += other.header
 
     def total_bytes(self) -> int:
         """Bytes on the wire, the header's included."""

@@ -32,7 +32,16 @@ from embedding_store.init import init_rows
 from recsys.sparse import ShardingKind, SparseConfig
 from recsys.train_config import DenseOptimizer, TrainConfig
 
-__all__ = ["LocalShard", "shard_model", "build_optimizer", "local_shards", "init_embedding_rows", "ebc_path"]
+__all__ = [
+    "LocalShard",
+    "embedding_sharder",
+    "sharding_plan",
+    "shard_model",
+    "build_optimizer",
+    "local_shards",
+    "init_embedding_rows",
+    "ebc_path",
+]
 
 # The TorchRec binding's one mapping: the store's optimizer kinds to FBGEMM's fused optimizers.
 _FUSED_OPT = {
@@ -73,7 +82,24 @@ def shard_model(
     """Shard ``model``'s tables over the process group with the fused optimizer of ``sparse``;
     ``fused_extra``: more keyword arguments for FBGEMM's table-batched modules (``TrainSpec.fused_params``)."""
     pg = pg or dist.group.WORLD
-    world_size = dist.get_world_size(pg)
+    sharder = embedding_sharder(sparse, fused_extra)
+    plan = sharding_plan(
+        model,
+        tables,
+        sparse=sparse,
+        sharder=sharder,
+        world_size=dist.get_world_size(pg),
+        device_type=device.type,
+        pg=pg,
+    )
+    return DistributedModelParallel(module=model, device=device, plan=plan, sharders=[sharder])
+
+
+def embedding_sharder(
+    sparse: SparseConfig, fused_extra: dict[str, Any] | None = None
+) -> EmbeddingBagCollectionSharder:
+    """The sharder of the model's EmbeddingBagCollection: FBGEMM's fused optimizer of ``sparse`` (the
+    planner sizes the optimizer state from it), plus ``fused_extra``."""
     # FBGEMM's fp16 tables (sparse.fp16_rounding = nearest) round their updates to nearest even: its CUDA
     # kernels would otherwise round them stochastically, from a random stream a tiered run (rows at other
     # slots) would not reproduce; its CPU kernels round to nearest even whatever this says. Stochastic
@@ -86,33 +112,45 @@ def shard_model(
     if sparse.optimizer is not OptimizerKind.EXACT_SGD:
         fused_params["eps"] = sparse.eps
     fused_params.update(fused_extra or {})
-    sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
+    return EmbeddingBagCollectionSharder(fused_params=fused_params)
+
+
+def sharding_plan(
+    model: nn.Module,
+    tables: list[EmbeddingBagConfig],
+    *,
+    sparse: SparseConfig,
+    sharder: EmbeddingBagCollectionSharder,
+    world_size: int,
+    device_type: str,
+    pg: dist.ProcessGroup | None = None,
+) -> ShardingPlan:
+    """Where ``tables`` live on ``world_size`` ranks: row-wise, TorchRec's even blocks; table-wise, TorchRec's
+    planner. ``pg`` None: planned in this process, without a process group (``recsys plan-exchange`` plans
+    world sizes it does not run so); otherwise rank 0 plans and the others receive its plan, the same one."""
     path = ebc_path(model)
     if sparse.sharding is ShardingKind.ROW_WISE:
-        ebc = model.get_submodule(path)
         per_table = {t.name: row_wise(compute_kernel=EmbeddingComputeKernel.FUSED.value) for t in tables}
         module_plan = construct_module_sharding_plan(
-            ebc,
+            model.get_submodule(path),
             per_table,
             sharder=sharder,
             local_size=world_size,
             world_size=world_size,
-            device_type=device.type,
+            device_type=device_type,
         )
-        plan = ShardingPlan({path: module_plan})
-    else:
-        constraints = {
-            t.name: ParameterConstraints(
-                sharding_types=[ShardingType.TABLE_WISE.value],
-                compute_kernels=[EmbeddingComputeKernel.FUSED.value],
-            )
-            for t in tables
-        }
-        topology = Topology(world_size=world_size, compute_device=device.type)
-        plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
-            model, [sharder], pg
+        return ShardingPlan({path: module_plan})
+    constraints = {
+        t.name: ParameterConstraints(
+            sharding_types=[ShardingType.TABLE_WISE.value],
+            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
         )
-    return DistributedModelParallel(module=model, device=device, plan=plan, sharders=[sharder])
+        for t in tables
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device=device_type), constraints=constraints
+    )
+    return planner.plan(model, [sharder]) if pg is None else planner.collective_plan(model, [sharder], pg)
 
 
 def build_optimizer(dmp: DistributedModelParallel, train: TrainConfig) -> CombinedOptimizer:

@@ -6,7 +6,7 @@ names to a dataclass is one too, written with a placeholder (``[store.capacity.<
 is a ``##`` or ``###`` heading `` `[section]` `` followed by a table whose rows start with
 ``| `key` | default | …``. A default written as a TOML value in backticks must be the dataclass's default
 (enums as their values, tuples as lists); ``none`` stands for None. Every flag of ``recsys train``,
-``preprocess``, ``tune-cache`` and ``plot`` must have a row under its ``### `recsys <command>` `` heading.
+``preprocess``, ``tune-cache``, ``plan-exchange`` and ``plot`` must have a row under its ``### `recsys <command>` `` heading.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests.recsys.data.test_datasets_doc import _default  # the same rule: enums
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 # The commands whose flags must each have a row under their "### `recsys <command>`" heading.
-COMMANDS = ("train", "preprocess", "tune-cache", "plot")
+COMMANDS = ("train", "preprocess", "tune-cache", "plan-exchange", "plot")
 
 _HEADING = re.compile(r"^(#{2,3})\s+(.*?)\s*$")
 _SECTION = re.compile(r"^`\[([A-Za-z0-9_.<>-]+)\]`")

@@ -44,9 +44,13 @@ def test_cli_surface_is_frozen():
             "--help",
         ]
     )
+    plan = build_parser()._subparsers._group_actions[0].choices["plan-exchange"]  # type: ignore[union-attr]
+    flags = sorted(opt for action in plan._actions for opt in action.option_strings)
+    assert flags == sorted(["--config", "--set", "--steps", "-h", "--help"])
     assert sorted(build_parser()._subparsers._group_actions[0].choices) == [  # type: ignore[union-attr]
         "evaluate",
         "export",
+        "plan-exchange",
         "plot",
         "predict",
         "preprocess",
