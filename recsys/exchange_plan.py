@@ -293,9 +293,15 @@ def batch_counts(
     header. Also the rows requests (None without rows features)."""
     num_features = len(lengths_per_key)
     args = {"lengths_per_key": lengths_per_key, "batch": batch, "ownership": ownership}
-    pooled = pooled_counts(values, lengths, rank=rank, features=~rows, **args)
     if not bool(rows.any()):
-        return pooled, None
+        return pooled_counts(values, lengths, rank=rank, **args), None
+    if bool(rows.all()):
+        zero = [0] * num_features
+        pooled = ExchangeCounts(
+            list(zero), list(zero), list(zero), list(zero), list(zero), dims=list(ownership.dims)
+        )
+    else:
+        pooled = pooled_counts(values, lengths, rank=rank, features=~rows, **args)
     requests = plan_rows(values, lengths, windows=windows, world_size=world_size, features=rows, **args)
     counts = rows_counts(requests, rank=rank, num_features=num_features, dims=ownership.dims)
     merged = pooled.merged(counts, rows.tolist())

@@ -49,7 +49,6 @@ class _Incoming:
 
     features: KeyedJaggedTensor
     requests: RowRequests
-    pooled_owner: torch.Tensor  # (N,) owner of each id occurrence of a pooled feature (-1: rows feature)
     asked: torch.Tensor  # (world, F + 1) what each rank sends here: a count per feature, and its batch size
     received: torch.Tensor  # (sum,) int64 payloads, rank-major
     work: Any  # the payload all-to-all, or None
@@ -107,6 +106,7 @@ class RowsExchange:
             [f for f in range(num_features) if not rows[f] and r in ownership.ranks[f]]
             for r in range(self.world_size)
         ]
+        self.any_pooled = not bool(rows.all())
         self._input_dist = ebc.input_dist
         self._compute_and_output_dist = ebc.compute_and_output_dist
 
@@ -159,39 +159,15 @@ class RowsExchange:
         )
         assert requests is not None
         self.record(counts, batch)
-        # pooled features: each id occurrence to the owner of its row, lengths per (owner, feature, sample)
-        feature = torch.repeat_interleave(torch.arange(num_features), torch.tensor(per_key))
-        pooled = ~self.rows[feature]
-        owner, local = self.ownership.locate((feature << ID_BITS) | values)
-        pooled_owner = torch.where(pooled, owner, -1)
-        sample = torch.repeat_interleave(torch.arange(num_features * batch), lengths) % batch
-        slot = (owner * num_features + feature) * batch + sample
-        bag_lengths = torch.bincount(slot[pooled], minlength=world * num_features * batch).view(
-            world, num_features, batch
-        )
-        order = torch.sort(pooled_owner[pooled], stable=True).indices
-        pooled_local = local[pooled][order]
-        pooled_per_owner = torch.bincount(owner[pooled], minlength=world)
         header = torch.zeros((world, num_features + 1), dtype=torch.int64)
         header[:, :num_features] = torch.bincount(
             requests.owner * num_features + requests.feature, minlength=world * num_features
         ).view(world, num_features)
-        header[:, :num_features] += torch.bincount(
-            owner[pooled] * num_features + feature[pooled], minlength=world * num_features
-        ).view(world, num_features)
         header[:, num_features] = batch
-        parts, sizes, rows_start, pooled_start = [], [], 0, 0
-        for o in range(world):
-            rows_n, pooled_n = requests.per_owner[o], int(pooled_per_owner[o])
-            held = self.pooled_of[o]
-            parts += [
-                requests.sent[rows_start : rows_start + rows_n],
-                bag_lengths[o, held].reshape(-1),
-                pooled_local[pooled_start : pooled_start + pooled_n],
-            ]
-            sizes.append(rows_n + len(held) * batch + pooled_n)
-            rows_start, pooled_start = rows_start + rows_n, pooled_start + pooled_n
-        payload = torch.cat(parts)
+        if self.any_pooled:
+            payload, sizes = self._with_pooled(features, requests, header)
+        else:
+            payload, sizes = requests.sent, requests.per_owner
         asked = torch.empty_like(header)
         work = None
         if world == 1:
@@ -212,8 +188,41 @@ class RowsExchange:
                 group=self.group,
                 async_op=True,
             )
-        incoming = _Incoming(features, requests, pooled_owner, asked, received, work)
+        incoming = _Incoming(features, requests, asked, received, work)
         return KJTListSplitsAwaitable([Ready(Ready(incoming))], ctx)
+
+    def _with_pooled(
+        self, features: KeyedJaggedTensor, requests: RowRequests, header: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The payload per owner (rows requests, then for each pooled table it holds the batch's bag lengths
+        and ids) and its sizes; ``header`` gains the pooled ids."""
+        batch, num_features, world = features.stride(), len(self.ownership.features), self.world_size
+        values, lengths, per_key = features.values(), features.lengths(), features.length_per_key()
+        feature = torch.repeat_interleave(torch.arange(num_features), torch.tensor(per_key))
+        pooled = ~self.rows[feature]
+        owner, local = self.ownership.locate((feature << ID_BITS) | values)
+        sample = torch.repeat_interleave(torch.arange(num_features * batch), lengths) % batch
+        slot = (owner * num_features + feature) * batch + sample
+        bag_lengths = torch.bincount(slot[pooled], minlength=world * num_features * batch).view(
+            world, num_features, batch
+        )
+        order = torch.sort(owner[pooled], stable=True).indices
+        pooled_local = local[pooled][order]
+        pooled_per_owner = torch.bincount(owner[pooled], minlength=world).tolist()
+        header[:, :num_features] += torch.bincount(
+            owner[pooled] * num_features + feature[pooled], minlength=world * num_features
+        ).view(world, num_features)
+        parts, sizes, rows_start, pooled_start = [], [], 0, 0
+        for o in range(world):
+            rows_n, pooled_n, held = requests.per_owner[o], pooled_per_owner[o], self.pooled_of[o]
+            parts += [
+                requests.sent[rows_start : rows_start + rows_n],
+                bag_lengths[o, held].reshape(-1),
+                pooled_local[pooled_start : pooled_start + pooled_n],
+            ]
+            sizes.append(rows_n + len(held) * batch + pooled_n)
+            rows_start, pooled_start = rows_start + rows_n, pooled_start + pooled_n
+        return torch.cat(parts), sizes
 
     # -- lookup, vector exchange, pooling ------------------------------------------------------------------
     def compute_and_output_dist(self, ctx: Any, dist_input: Any) -> Any:
@@ -334,34 +343,31 @@ class RowsExchange:
         )
         served_per = [rows_n + len(held_here) * batch_r for rows_n, batch_r in blocks]
         served_base = [sum(served_per[:r]) for r in range(world)]
+        held_k = torch.arange(len(held_here))[:, None]  # (H, 1)
+        owner_of_request = requests.owner
         for w in range(self.windows):
             idx, sizes = [], []
-            for r in range(world):
-                base = served_base[r]
-                on = torch.nonzero((served_masks[r] >> w) & 1).flatten() + base
-                b_sizes = window_sizes(blocks[r][1], self.windows)
+            for r in range(world):  # requester by requester: its rows with bit w, then its pooled vectors
+                rows_n, batch_r = blocks[r]
+                on = torch.nonzero((served_masks[r] >> w) & 1).flatten() + served_base[r]
+                b_sizes = window_sizes(batch_r, self.windows)
                 lo, hi = sum(b_sizes[:w]), sum(b_sizes[: w + 1])
-                pooled_idx = [
-                    torch.arange(lo, hi) + base + blocks[r][0] + k * blocks[r][1]
-                    for k in range(len(held_here))
-                ]
-                idx += [on, *pooled_idx]
-                sizes.append(int(on.numel()) + len(held_here) * (hi - lo))
-            serve.append(torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64))
+                pooled_idx = (served_base[r] + rows_n + held_k * batch_r + torch.arange(lo, hi)).reshape(-1)
+                idx += [on, pooled_idx]
+                sizes.append(int(on.numel()) + int(pooled_idx.numel()))
+            serve.append(torch.cat(idx))
             serve_sizes.append(sizes)
             lo, hi = sum(mine_sizes[:w]), sum(mine_sizes[: w + 1])
             mine = ((requests.mask >> w) & 1).bool()
             g_idx, g_sizes = [], []
-            for o in range(world):
-                sel = mine & (requests.owner == o)
-                rows_g = request_g[sel]
-                pooled_g = [
-                    torch.arange(lo, hi) + g_start[o] + requests.per_owner[o] + k * batch
-                    for k in range(len(self.pooled_of[o]))
-                ]
-                g_idx += [rows_g, *pooled_g]
-                g_sizes.append(int(rows_g.numel()) + len(self.pooled_of[o]) * (hi - lo))
-            get.append(torch.cat(g_idx) if g_idx else torch.zeros(0, dtype=torch.int64))
+            for o in range(world):  # owner by owner: its rows requests with bit w, then its pooled blocks
+                rows_g = request_g[mine & (owner_of_request == o)]
+                held_o = torch.arange(len(self.pooled_of[o]))[:, None]
+                first = g_start[o] + requests.per_owner[o]
+                pooled_g = (first + held_o * batch + torch.arange(lo, hi)).reshape(-1)
+                g_idx += [rows_g, pooled_g]
+                g_sizes.append(int(rows_g.numel()) + int(pooled_g.numel()))
+            get.append(torch.cat(g_idx))  # ascending: owners in order, each owner's rows before its blocks
             get_sizes.append(g_sizes)
         return WindowPlan(
             windows=self.windows,
@@ -380,46 +386,50 @@ class RowsExchange:
         )
 
     def _pooler(self, incoming: _Incoming, plan: WindowPlan) -> Any:
-        kjt, request_g = incoming.features, plan.request_g
+        """``pool(vectors, w)``: window ``w``'s pooled embeddings from its received vectors."""
+        kjt, requests = incoming.features, incoming.requests
         num_features, batch = len(self.ownership.features), kjt.stride()
         sizes = window_sizes(batch, self.windows)
-        lengths, offsets = kjt.lengths().view(num_features, batch), kjt.offsets()
-        rows_features = [f for f in range(num_features) if self.rows[f]]
-        g_start = [0]
+        lengths = kjt.lengths()
+        per_key = torch.tensor(kjt.length_per_key())
+        value_feature = torch.repeat_interleave(torch.arange(num_features), per_key)  # (N,)
+        value_sample = torch.repeat_interleave(torch.arange(num_features * batch), lengths) % batch  # (N,)
+        window_of_sample = torch.repeat_interleave(torch.arange(self.windows), torch.tensor(sizes))
+        value_window = window_of_sample[value_sample]
+        is_rows = self.rows[value_feature]
+        value_g = torch.where(is_rows, plan.request_g[requests.occurrence.clamp(min=0)], -1)
+        # pooled blocks: for each owner in rank order, each pooled table it holds (row-wise partial sums are
+        # added in that order)
+        firsts, block_features, g_at = [], [], 0
         for o in range(self.world_size):
-            g_start.append(g_start[-1] + incoming.requests.per_owner[o] + len(self.pooled_of[o]) * batch)
+            for k, f in enumerate(self.pooled_of[o]):
+                firsts.append(g_at + requests.per_owner[o] + k * batch)
+                block_features.append(f)
+            g_at += requests.per_owner[o] + len(self.pooled_of[o]) * batch
+        first = torch.tensor(firsts, dtype=torch.int64)[:, None]  # (P, 1)
+        block_feature = torch.tensor(block_features, dtype=torch.int64)[:, None]
+        plans = []
+        for w in range(self.windows):
+            start, size = sum(sizes[:w]), sizes[w]
+            chosen = torch.nonzero(is_rows & (value_window == w)).flatten()  # occurrence order
+            within = torch.arange(size)[None, :]
+            g = torch.cat([value_g[chosen], (first + start + within).reshape(-1)])
+            bag = torch.cat(
+                [
+                    value_feature[chosen] * size + value_sample[chosen] - start,
+                    (block_feature * size + within).reshape(-1),
+                ]
+            )
+            plans.append((torch.searchsorted(plan.get[w], g), bag, size))
 
         def pool(vectors: torch.Tensor, w: int) -> KeyedTensor:
-            start, size = sum(sizes[:w]), sizes[w]
-            position = torch.full((plan.requested,), -1, dtype=torch.int64)  # request -> row of ``vectors``
-            position[plan.get[w]] = torch.arange(plan.get[w].numel())
-            sources, bags = [], []
-            for f in rows_features:
-                lo, hi = int(offsets[f * batch + start]), int(offsets[f * batch + start + size])
-                occurrence = incoming.requests.occurrence[lo:hi]
-                sources.append(position[request_g[occurrence]])
-                bags.append(
-                    f * size + torch.repeat_interleave(torch.arange(size), lengths[f, start : start + size])
-                )
-            for o in range(
-                self.world_size
-            ):  # owners in rank order: row-wise partial sums added in that order
-                for k, f in enumerate(self.pooled_of[o]):
-                    first = g_start[o] + incoming.requests.per_owner[o] + k * batch + start
-                    sources.append(position[first : first + size])
-                    bags.append(f * size + torch.arange(size))
-            index = torch.cat(sources) if sources else torch.zeros(0, dtype=torch.int64)
-            bag = torch.cat(bags) if bags else torch.zeros(0, dtype=torch.int64)
+            index, bag, size = plans[w]
             # sums in occurrence order, and so are the gradients (index_select's backward is an index_add
             # in source order): F.embedding_bag's backward sorts indices without a stable order
             pooled = vectors.new_zeros((num_features * size, self.dim)).index_add(
                 0, bag, vectors.index_select(0, index)
-            )
-            values = (
-                pooled.view(num_features, size, self.dim)
-                .transpose(0, 1)
-                .reshape(size, num_features * self.dim)
-            )
+            )  # (F * b, D)
+            values = pooled.view(num_features, size, self.dim).transpose(0, 1).reshape(size, -1)  # (b, F * D)
             return KeyedTensor(keys=list(kjt.keys()), length_per_key=[self.dim] * num_features, values=values)
 
         return pool
