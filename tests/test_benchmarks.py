@@ -61,6 +61,23 @@ CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
         ),
     ),
     "bench_checkpoint.py": ("--dir", ("snapshot_peak_anon_over_table", "reshard_peak_anon_over_table")),
+    "bench_exchange.py": (
+        "--dir",
+        (
+            "rows_bytes_ratio",
+            "rows_clustered_bytes_ratio",
+            "clustered_vs_arrival_bytes",
+            "rows_speedup",
+            "rows_clustered_speedup",
+            "rows_step_time_ratio",
+            "rows_clustered_step_time_ratio",
+            *(
+                f"{key}.{arm}"
+                for key in ("bytes_per_sample", "step_time_ms", "cpu_s_per_1k_samples")
+                for arm in ("pooled", "rows", "rows_clustered")
+            ),
+        ),
+    ),
     "bench_pipeline.py": (
         "--dir",
         (
