@@ -202,11 +202,9 @@ def plan_rows(
         chosen = features[keys >> ID_BITS]  # (N,) the occurrences exchanged as rows
         keys, window = keys[chosen], window[chosen]
     distinct, inverse = torch.unique(keys, sorted=True, return_inverse=True)  # (U,), (N',)
-    mask = torch.zeros(distinct.numel(), dtype=torch.int64)
-    for w in range(windows):
-        used = torch.zeros(distinct.numel(), dtype=torch.bool)
-        used[inverse[window == w]] = True
-        mask |= used.to(torch.int64) << w
+    used = torch.zeros(distinct.numel() * windows, dtype=torch.int64)
+    used[inverse * windows + window] = 1  # (U * W,) whether window w uses id u
+    mask = (used.view(-1, windows) << torch.arange(windows)).sum(dim=1)  # (U,) bit w: window w uses it
     owner, local = ownership.locate(distinct)
     order = torch.sort(owner, stable=True).indices  # send order: owner, then (feature, id)
     position = torch.empty_like(order)
@@ -230,10 +228,8 @@ def rows_counts(requests: RowRequests, *, rank: int, num_features: int, dims: li
     remote = requests.owner != rank
     feature = requests.feature[remote]
     ids = torch.bincount(feature, minlength=num_features)
-    windows_used = torch.zeros_like(feature)
-    for w in range(len(requests.windows)):
-        windows_used += (requests.mask[remote] >> w) & 1
-    rows = torch.bincount(feature, weights=windows_used.double(), minlength=num_features)
+    bits = (requests.mask[remote, None] >> torch.arange(len(requests.windows))) & 1  # (U', W)
+    rows = torch.bincount(feature, weights=bits.sum(dim=1).double(), minlength=num_features)
     zero = [0] * num_features
     return ExchangeCounts(
         ids=ids.tolist(),

@@ -107,6 +107,12 @@ class RowsExchange:
             for r in range(self.world_size)
         ]
         self.any_pooled = not bool(rows.all())
+        grouped: dict[int, list[_LocalTable]] = {}
+        for t in self.local:
+            grouped.setdefault(id(t.module), []).append(t)
+        self._modules = [
+            (ts[0].module, sorted(ts, key=lambda t: t.position)) for ts in grouped.values()
+        ]  # each FBGEMM module with its tables in the module's order
         self._input_dist = ebc.input_dist
         self._compute_and_output_dist = ebc.compute_and_output_dist
 
@@ -230,10 +236,13 @@ class RowsExchange:
         if not isinstance(incoming, _Incoming):
             return self._compute_and_output_dist(ctx, dist_input)
         incoming.wait()
-        served, blocks = self._lookup(incoming)
-        plan = self._plan(incoming, blocks)
+        if self.any_pooled:
+            served, blocks = self._lookup(incoming)
+        else:
+            served, blocks = self._lookup_rows(incoming), []
+        plan = self._plan(incoming, blocks) if self.any_pooled else self._plan_rows(incoming)
         vectors = VectorsAllToAll.apply(served, plan)
-        pool = self._pooler(incoming, plan)
+        pool = self._pooler(incoming, plan) if self.any_pooled else self._pooler_rows(incoming)
         outs = [WindowOutput(pool, plan, vectors[w], w) for w in range(self.windows)]
         return outs if self.windows > 1 else outs[0]
 
@@ -257,6 +266,44 @@ class RowsExchange:
                 start += counts[f]
             out.append(seg)
         return out
+
+    def _lookup_rows(self, incoming: _Incoming) -> torch.Tensor:
+        """:meth:`_lookup` when every table goes as rows: (S, D) the rows asked of this rank, in the order
+        asked (requester, then feature, then id); each FBGEMM module looks up its tables' rows once, as bags
+        of one row, tables padded with empty bags to the longest."""
+        num_features = len(self.ownership.features)
+        asked = incoming.asked[:, :num_features]  # (world, F)
+        local = incoming.received & _LOW  # (S,)
+        feature = torch.repeat_interleave(
+            torch.arange(num_features).repeat(self.world_size), asked.reshape(-1)
+        )
+        pieces, rows_of = [], []
+        for module, tables in self._modules:
+            position = torch.full((num_features,), -1, dtype=torch.int64)
+            position[torch.tensor([t.feature for t in tables])] = torch.arange(len(tables))
+            mine = torch.nonzero(position[feature] >= 0).flatten()  # (S_m,) the rows this module holds
+            table = position[feature[mine]]
+            order = torch.sort(table, stable=True).indices  # table-major, then as asked
+            per_table = torch.bincount(table, minlength=len(tables))
+            bags = int(per_table.max()) if per_table.numel() else 0
+            lengths = (torch.arange(bags)[None, :] < per_table[:, None]).reshape(-1).long()
+            kjt = KeyedJaggedTensor(
+                keys=[str(t.position) for t in tables],
+                values=local[mine[order]],
+                lengths=lengths,
+                stride=bags,
+            )
+            out = module(kjt).view(bags, len(tables), self.dim)  # a bag of one row is the row itself
+            bag = torch.empty_like(order)
+            bag[order] = torch.arange(order.numel()) - (torch.cumsum(per_table, 0) - per_table)[table[order]]
+            pieces.append(out[bag, table])  # (S_m, D) in the order asked
+            rows_of.append(mine)
+        if (
+            not pieces or sum(p.shape[0] for p in pieces) == 0
+        ):  # still a node: its backward joins the exchange
+            return torch.zeros((0, self.dim), requires_grad=True)
+        rows = torch.cat(rows_of)
+        return torch.cat(pieces).index_select(0, torch.argsort(rows))
 
     def _lookup(self, incoming: _Incoming) -> tuple[torch.Tensor, list[list[int]]]:
         """(V, D) the vectors this rank serves, requester-major (its rows requests, then each pooled
@@ -385,6 +432,80 @@ class RowsExchange:
             works=[],
         )
 
+    def _plan_rows(self, incoming: _Incoming) -> WindowPlan:
+        """:meth:`_plan` when every table goes as rows: the vectors are the rows requests, in order."""
+        requests, world, windows = incoming.requests, self.world_size, self.windows
+        served = incoming.received >> ID_BITS  # (S,) the masks of the rows asked of this rank, rank-major
+        served_from = incoming.asked[:, : len(self.ownership.features)].sum(dim=1)  # (world,)
+        served_bits = (served[:, None] >> torch.arange(windows)) & 1  # (S, W)
+        mine_bits = (requests.mask[:, None] >> torch.arange(windows)) & 1  # (U, W)
+
+        def per_rank(bits: torch.Tensor, rank: torch.Tensor) -> list[list[int]]:  # (W, world) counts
+            slots = (rank[:, None] * windows + torch.arange(windows)).reshape(-1)
+            counts = torch.bincount(slots, weights=bits.reshape(-1).double(), minlength=world * windows)
+            return counts.view(world, windows).T.long().tolist()
+
+        requester = torch.repeat_interleave(torch.arange(world), served_from)
+        return WindowPlan(
+            windows=windows,
+            serve=[torch.nonzero(served_bits[:, w]).flatten() for w in range(windows)],
+            serve_sizes=per_rank(served_bits, requester),
+            get=[torch.nonzero(mine_bits[:, w]).flatten() for w in range(windows)],
+            get_sizes=per_rank(mine_bits, requests.owner),
+            requested=int(requests.sent.numel()),
+            asked_of=requests.per_owner,
+            served=int(served.numel()),
+            served_from=served_from.tolist(),
+            request_g=torch.arange(requests.sent.numel()),
+            group=self.group,
+            world_size=world,
+            works=[],
+        )
+
+    def _pooler_rows(self, incoming: _Incoming) -> Any:
+        """:meth:`_pooler` when every table goes as rows."""
+        kjt, requests = incoming.features, incoming.requests
+        num_features, batch, windows = len(self.ownership.features), kjt.stride(), self.windows
+        sizes = window_sizes(batch, windows)
+        value_feature = torch.repeat_interleave(
+            torch.arange(num_features), torch.tensor(kjt.length_per_key())
+        )
+        value_sample = torch.repeat_interleave(torch.arange(num_features * batch), kjt.lengths()) % batch
+        value_window = torch.repeat_interleave(torch.arange(windows), torch.tensor(sizes))[value_sample]
+        # where request u sits among window w's received rows: the requests before it that w uses
+        place = ((requests.mask[:, None] >> torch.arange(windows)) & 1).cumsum(dim=0) - 1  # (U, W)
+        by_window = torch.split(
+            torch.sort(value_window, stable=True).indices,  # occurrence order within each window
+            torch.bincount(value_window, minlength=windows).tolist(),
+        )
+        plans = []
+        for w, chosen in enumerate(by_window):
+            start, size = sum(sizes[:w]), sizes[w]
+            index = place[requests.occurrence[chosen], w]
+            bag = value_feature[chosen] * size + value_sample[chosen] - start
+            plans.append((index, bag, size))
+        return self._pool_with(plans, kjt)
+
+    def _pool_with(self, plans: list[tuple[torch.Tensor, torch.Tensor, int]], kjt: KeyedJaggedTensor) -> Any:
+        num_features, keys = len(self.ownership.features), list(kjt.keys())
+
+        one_each = [bool(torch.equal(bag, torch.arange(num_features * size))) for _, bag, size in plans]
+
+        def pool(vectors: torch.Tensor, w: int) -> KeyedTensor:
+            index, bag, size = plans[w]
+            # sums in occurrence order, and so are the gradients (index_select's backward is an index_add
+            # in source order): F.embedding_bag's backward sorts indices without a stable order. Where every
+            # bag holds one id (one-hot features), the pooled vectors are the rows themselves.
+            gathered = vectors.index_select(0, index)
+            if one_each[w]:
+                pooled = gathered  # (F * b, D)
+            else:
+                pooled = vectors.new_zeros((num_features * size, self.dim)).index_add(0, bag, gathered)
+            values = pooled.view(num_features, size, self.dim).transpose(0, 1).reshape(size, -1)  # (b, F * D)
+            return KeyedTensor(keys=keys, length_per_key=[self.dim] * num_features, values=values)
+
+        return pool
+
     def _pooler(self, incoming: _Incoming, plan: WindowPlan) -> Any:
         """``pool(vectors, w)``: window ``w``'s pooled embeddings from its received vectors."""
         kjt, requests = incoming.features, incoming.requests
@@ -421,15 +542,4 @@ class RowsExchange:
                 ]
             )
             plans.append((torch.searchsorted(plan.get[w], g), bag, size))
-
-        def pool(vectors: torch.Tensor, w: int) -> KeyedTensor:
-            index, bag, size = plans[w]
-            # sums in occurrence order, and so are the gradients (index_select's backward is an index_add
-            # in source order): F.embedding_bag's backward sorts indices without a stable order
-            pooled = vectors.new_zeros((num_features * size, self.dim)).index_add(
-                0, bag, vectors.index_select(0, index)
-            )  # (F * b, D)
-            values = pooled.view(num_features, size, self.dim).transpose(0, 1).reshape(size, -1)  # (b, F * D)
-            return KeyedTensor(keys=list(kjt.keys()), length_per_key=[self.dim] * num_features, values=values)
-
-        return pool
+        return self._pool_with(plans, kjt)
