@@ -31,10 +31,11 @@ import torch.distributed as dist
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.errors import UserError
 from recsys.exchange_plan import ID_BITS, Ownership, RowRequests, batch_counts
+from recsys.exchange_windows import rows_pooling, rows_window_plan, window_pooler
 from recsys.exchange_wire import Ready, VectorsAllToAll, WindowOutput, WindowPlan
 from recsys.windows import window_sizes
 
@@ -240,9 +241,18 @@ class RowsExchange:
             served, blocks = self._lookup(incoming)
         else:
             served, blocks = self._lookup_rows(incoming), []
-        plan = self._plan(incoming, blocks) if self.any_pooled else self._plan_rows(incoming)
+        if self.any_pooled:
+            plan = self._plan(incoming, blocks)
+        else:
+            counts = incoming.asked[:, : len(self.ownership.features)]
+            plan = rows_window_plan(incoming.received >> ID_BITS, counts, incoming.requests, self.group)
         vectors = VectorsAllToAll.apply(served, plan)
-        pool = self._pooler(incoming, plan) if self.any_pooled else self._pooler_rows(incoming)
+        if self.any_pooled:
+            pool = self._pooler(incoming, plan)
+        else:
+            pool = window_pooler(
+                rows_pooling(incoming.features, incoming.requests, self.windows), incoming.features, self.dim
+            )
         outs = [WindowOutput(pool, plan, vectors[w], w) for w in range(self.windows)]
         return outs if self.windows > 1 else outs[0]
 
@@ -432,80 +442,6 @@ class RowsExchange:
             works=[],
         )
 
-    def _plan_rows(self, incoming: _Incoming) -> WindowPlan:
-        """:meth:`_plan` when every table goes as rows: the vectors are the rows requests, in order."""
-        requests, world, windows = incoming.requests, self.world_size, self.windows
-        served = incoming.received >> ID_BITS  # (S,) the masks of the rows asked of this rank, rank-major
-        served_from = incoming.asked[:, : len(self.ownership.features)].sum(dim=1)  # (world,)
-        served_bits = (served[:, None] >> torch.arange(windows)) & 1  # (S, W)
-        mine_bits = (requests.mask[:, None] >> torch.arange(windows)) & 1  # (U, W)
-
-        def per_rank(bits: torch.Tensor, rank: torch.Tensor) -> list[list[int]]:  # (W, world) counts
-            slots = (rank[:, None] * windows + torch.arange(windows)).reshape(-1)
-            counts = torch.bincount(slots, weights=bits.reshape(-1).double(), minlength=world * windows)
-            return counts.view(world, windows).T.long().tolist()
-
-        requester = torch.repeat_interleave(torch.arange(world), served_from)
-        return WindowPlan(
-            windows=windows,
-            serve=[torch.nonzero(served_bits[:, w]).flatten() for w in range(windows)],
-            serve_sizes=per_rank(served_bits, requester),
-            get=[torch.nonzero(mine_bits[:, w]).flatten() for w in range(windows)],
-            get_sizes=per_rank(mine_bits, requests.owner),
-            requested=int(requests.sent.numel()),
-            asked_of=requests.per_owner,
-            served=int(served.numel()),
-            served_from=served_from.tolist(),
-            request_g=torch.arange(requests.sent.numel()),
-            group=self.group,
-            world_size=world,
-            works=[],
-        )
-
-    def _pooler_rows(self, incoming: _Incoming) -> Any:
-        """:meth:`_pooler` when every table goes as rows."""
-        kjt, requests = incoming.features, incoming.requests
-        num_features, batch, windows = len(self.ownership.features), kjt.stride(), self.windows
-        sizes = window_sizes(batch, windows)
-        value_feature = torch.repeat_interleave(
-            torch.arange(num_features), torch.tensor(kjt.length_per_key())
-        )
-        value_sample = torch.repeat_interleave(torch.arange(num_features * batch), kjt.lengths()) % batch
-        value_window = torch.repeat_interleave(torch.arange(windows), torch.tensor(sizes))[value_sample]
-        # where request u sits among window w's received rows: the requests before it that w uses
-        place = ((requests.mask[:, None] >> torch.arange(windows)) & 1).cumsum(dim=0) - 1  # (U, W)
-        by_window = torch.split(
-            torch.sort(value_window, stable=True).indices,  # occurrence order within each window
-            torch.bincount(value_window, minlength=windows).tolist(),
-        )
-        plans = []
-        for w, chosen in enumerate(by_window):
-            start, size = sum(sizes[:w]), sizes[w]
-            index = place[requests.occurrence[chosen], w]
-            bag = value_feature[chosen] * size + value_sample[chosen] - start
-            plans.append((index, bag, size))
-        return self._pool_with(plans, kjt)
-
-    def _pool_with(self, plans: list[tuple[torch.Tensor, torch.Tensor, int]], kjt: KeyedJaggedTensor) -> Any:
-        num_features, keys = len(self.ownership.features), list(kjt.keys())
-
-        one_each = [bool(torch.equal(bag, torch.arange(num_features * size))) for _, bag, size in plans]
-
-        def pool(vectors: torch.Tensor, w: int) -> KeyedTensor:
-            index, bag, size = plans[w]
-            # sums in occurrence order, and so are the gradients (index_select's backward is an index_add
-            # in source order): F.embedding_bag's backward sorts indices without a stable order. Where every
-            # bag holds one id (one-hot features), the pooled vectors are the rows themselves.
-            gathered = vectors.index_select(0, index)
-            if one_each[w]:
-                pooled = gathered  # (F * b, D)
-            else:
-                pooled = vectors.new_zeros((num_features * size, self.dim)).index_add(0, bag, gathered)
-            values = pooled.view(num_features, size, self.dim).transpose(0, 1).reshape(size, -1)  # (b, F * D)
-            return KeyedTensor(keys=keys, length_per_key=[self.dim] * num_features, values=values)
-
-        return pool
-
     def _pooler(self, incoming: _Incoming, plan: WindowPlan) -> Any:
         """``pool(vectors, w)``: window ``w``'s pooled embeddings from its received vectors."""
         kjt, requests = incoming.features, incoming.requests
@@ -542,4 +478,4 @@ class RowsExchange:
                 ]
             )
             plans.append((torch.searchsorted(plan.get[w], g), bag, size))
-        return self._pool_with(plans, kjt)
+        return window_pooler(plans, kjt, self.dim)
