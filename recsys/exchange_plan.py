@@ -37,6 +37,7 @@ __all__ = [
     "RowRequests",
     "batch_counts",
     "plan_rows",
+    "value_features",
     "pooled_counts",
     "rows_counts",
 ]
@@ -160,11 +161,13 @@ class RowRequests:
     windows: list[int]
 
 
-def _keys(values: torch.Tensor, lengths_per_key: list[int]) -> torch.Tensor:
-    """(N,) ``feature << ID_BITS | id`` of every id occurrence of a KJT's values, features in key order."""
-    feature = torch.repeat_interleave(
-        torch.arange(len(lengths_per_key), dtype=torch.int64), torch.tensor(lengths_per_key)
-    )
+def value_features(lengths_per_key: list[int]) -> torch.Tensor:
+    """(N,) the feature index of every id occurrence of a KJT's values (features in key order)."""
+    return torch.repeat_interleave(torch.arange(len(lengths_per_key)), torch.tensor(lengths_per_key))
+
+
+def _keys(values: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+    """(N,) ``feature << ID_BITS | id`` of every id occurrence (``feature``: :func:`value_features`)."""
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << ID_BITS):
         raise ValueError(f"ids must lie in [0, 2**{ID_BITS}) for the rows exchange")
     return (feature << ID_BITS) | values.to(torch.int64)
@@ -195,7 +198,7 @@ def plan_rows(
     if not 1 <= windows <= MAX_ROWS_WINDOWS:
         raise ValueError(f"the rows exchange takes 1 to {MAX_ROWS_WINDOWS} windows, got {windows}")
     sizes = window_sizes(batch, windows)
-    keys = _keys(values, lengths_per_key)
+    keys = _keys(values, value_features(lengths_per_key))
     window = _window_of_values(lengths, batch, sizes)
     chosen = None
     if features is not None:
@@ -256,8 +259,8 @@ def pooled_counts(
     each of them (row-wise: a partial sum per shard) and one gradient vector to each. ``features``: (F,)
     bool, the features counted (None: all; others count 0)."""
     num_features = len(lengths_per_key)
-    owner, _ = ownership.locate(_keys(values, lengths_per_key))
-    feature = torch.repeat_interleave(torch.arange(num_features), torch.tensor(lengths_per_key))
+    feature = value_features(lengths_per_key)
+    owner, _ = ownership.locate(_keys(values, feature))
     counted = torch.ones(num_features, dtype=torch.bool) if features is None else features
     ids = torch.bincount(feature[(owner != rank) & counted[feature]], minlength=num_features).tolist()
     remote_shards = [sum(1 for r in set(ranks) if r != rank) for ranks in ownership.ranks]

@@ -34,7 +34,7 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.errors import UserError
-from recsys.exchange_plan import ID_BITS, Ownership, RowRequests, batch_counts
+from recsys.exchange_plan import ID_BITS, Ownership, RowRequests, batch_counts, value_features
 from recsys.exchange_windows import rows_pooling, rows_window_plan, window_pooler
 from recsys.exchange_wire import Ready, VectorsAllToAll, WindowOutput, WindowPlan
 from recsys.windows import window_sizes
@@ -205,7 +205,7 @@ class RowsExchange:
         and ids) and its sizes; ``header`` gains the pooled ids."""
         batch, num_features, world = features.stride(), len(self.ownership.features), self.world_size
         values, lengths, per_key = features.values(), features.lengths(), features.length_per_key()
-        feature = torch.repeat_interleave(torch.arange(num_features), torch.tensor(per_key))
+        feature = value_features(per_key)
         pooled = ~self.rows[feature]
         owner, local = self.ownership.locate((feature << ID_BITS) | values)
         sample = torch.repeat_interleave(torch.arange(num_features * batch), lengths) % batch
@@ -448,8 +448,7 @@ class RowsExchange:
         num_features, batch = len(self.ownership.features), kjt.stride()
         sizes = window_sizes(batch, self.windows)
         lengths = kjt.lengths()
-        per_key = torch.tensor(kjt.length_per_key())
-        value_feature = torch.repeat_interleave(torch.arange(num_features), per_key)  # (N,)
+        value_feature = value_features(kjt.length_per_key())  # (N,)
         value_sample = torch.repeat_interleave(torch.arange(num_features * batch), lengths) % batch  # (N,)
         window_of_sample = torch.repeat_interleave(torch.arange(self.windows), torch.tensor(sizes))
         value_window = window_of_sample[value_sample]

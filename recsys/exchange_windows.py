@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from recsys.exchange_plan import RowRequests
+from recsys.exchange_plan import RowRequests, value_features
 from recsys.exchange_wire import WindowPlan
 from recsys.windows import window_sizes
 
@@ -57,7 +57,7 @@ def rows_pooling(kjt: KeyedJaggedTensor, requests: RowRequests, windows: int) ->
     """Per window, which received row each id occurrence reads and the bag it adds into (occurrence order)."""
     num_features, batch = len(kjt.keys()), kjt.stride()
     sizes = window_sizes(batch, windows)
-    value_feature = torch.repeat_interleave(torch.arange(num_features), torch.tensor(kjt.length_per_key()))
+    value_feature = value_features(kjt.length_per_key())
     value_sample = torch.repeat_interleave(torch.arange(num_features * batch), kjt.lengths()) % batch
     value_window = torch.repeat_interleave(torch.arange(windows), torch.tensor(sizes))[value_sample]
     # where request u sits among window w's received rows: the requests before it that w uses
