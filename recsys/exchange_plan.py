@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from recsys.exchange_kernels import ID_BITS, plan_requests
 from recsys.windows import window_sizes
 
 __all__ = [
@@ -42,7 +44,6 @@ __all__ = [
     "rows_counts",
 ]
 
-ID_BITS = 48  # a local row index sits in the low 48 bits of a sent id; the window mask above it
 MAX_ROWS_WINDOWS = 63 - ID_BITS  # mask bits left below int64's sign bit
 ID_BYTES = 8  # an id (or a length) on the wire: int64
 VALUE_BYTES = 4  # an embedding value on the wire: float32
@@ -74,6 +75,14 @@ class Ownership:
             self, "_starts", torch.tensor([s for ss in self.starts for s in ss], dtype=torch.int64)
         )
         object.__setattr__(self, "_owner", torch.tensor(owner, dtype=torch.int64))
+
+    def shards(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every shard's first key (``feature << ID_BITS | row``, ascending), first row and rank."""
+        return (
+            self._bounds.numpy(),  # type: ignore[attr-defined]
+            self._starts.numpy(),  # type: ignore[attr-defined]
+            self._owner.numpy(),  # type: ignore[attr-defined]
+        )
 
     def locate(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For keys ``(feature << ID_BITS) | id``: (owner rank, the id's row on its owner's shard)."""
@@ -138,7 +147,7 @@ class ExchangeCounts:
 
 @dataclass(frozen=True)
 class RowRequests:
-    """One rank's ``rows`` requests for a batch, in send order (owner, then feature, then id).
+    """One rank's ``rows`` requests for a batch, in send order (owner, then feature, then first use in the batch).
 
     Shapes: ``U`` distinct (feature, id) pairs, ``N`` id occurrences in the batch, ``W`` windows.
 
@@ -173,12 +182,6 @@ def _keys(values: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
     return (feature << ID_BITS) | values.to(torch.int64)
 
 
-def _window_of_values(lengths: torch.Tensor, batch: int, sizes: list[int]) -> torch.Tensor:
-    """(N,) the window of each id occurrence; ``lengths`` is the KJT's (F * B,) lengths."""
-    window_of_sample = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    return torch.repeat_interleave(window_of_sample.repeat(lengths.numel() // max(batch, 1)), lengths)
-
-
 def plan_rows(
     values: torch.Tensor,
     lengths: torch.Tensor,
@@ -198,32 +201,34 @@ def plan_rows(
     if not 1 <= windows <= MAX_ROWS_WINDOWS:
         raise ValueError(f"the rows exchange takes 1 to {MAX_ROWS_WINDOWS} windows, got {windows}")
     sizes = window_sizes(batch, windows)
-    keys = _keys(values, value_features(lengths_per_key))
-    window = _window_of_values(lengths, batch, sizes)
-    chosen = None
-    if features is not None:
-        chosen = features[keys >> ID_BITS]  # (N,) the occurrences exchanged as rows
-        keys, window = keys[chosen], window[chosen]
-    distinct, inverse = torch.unique(keys, sorted=True, return_inverse=True)  # (U,), (N',)
-    used = torch.zeros(distinct.numel() * windows, dtype=torch.int64)
-    used[inverse * windows + window] = 1  # (U * W,) whether window w uses id u
-    mask = (used.view(-1, windows) << torch.arange(windows)).sum(dim=1)  # (U,) bit w: window w uses it
-    owner, local = ownership.locate(distinct)
-    order = torch.sort(owner, stable=True).indices  # send order: owner, then (feature, id)
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel())
-    occurrence = position[inverse]
-    if chosen is not None:
-        occurrence = torch.full((chosen.numel(),), -1, dtype=torch.int64).masked_scatter_(chosen, occurrence)
+    rows_feature = (
+        np.ones(len(lengths_per_key), dtype=np.bool_)
+        if features is None
+        else features.numpy().astype(np.bool_)
+    )
+    sent, feature, owner, per_owner, mask, occurrence = plan_requests(
+        _int64(values),
+        _int64(lengths),
+        batch,
+        np.repeat(np.arange(windows, dtype=np.int64), sizes),
+        rows_feature,
+        *ownership.shards(),
+        world_size,
+    )
     return RowRequests(
-        sent=(local | (mask << ID_BITS))[order],
-        feature=(distinct >> ID_BITS)[order],
-        owner=owner[order],
-        per_owner=torch.bincount(owner, minlength=world_size).tolist(),
-        mask=mask[order],
-        occurrence=occurrence,
+        sent=torch.from_numpy(sent),
+        feature=torch.from_numpy(feature),
+        owner=torch.from_numpy(owner),
+        per_owner=per_owner.tolist(),
+        mask=torch.from_numpy(mask),
+        occurrence=torch.from_numpy(occurrence),
         windows=sizes,
     )
+
+
+def _int64(x: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a contiguous int64 array (no copy where they already are one)."""
+    return np.ascontiguousarray(x.detach().to(torch.int64).numpy())
 
 
 def rows_counts(requests: RowRequests, *, rank: int, num_features: int, dims: list[int]) -> ExchangeCounts:

@@ -279,7 +279,7 @@ class RowsExchange:
 
     def _lookup_rows(self, incoming: _Incoming) -> torch.Tensor:
         """:meth:`_lookup` when every table goes as rows: (S, D) the rows asked of this rank, in the order
-        asked (requester, then feature, then id); each FBGEMM module looks up its tables' rows once, as bags
+        asked (requester, then feature, then first use); each FBGEMM module looks up its tables' rows once, as bags
         of one row, tables padded with empty bags to the longest."""
         num_features = len(self.ownership.features)
         asked = incoming.asked[:, :num_features]  # (world, F)

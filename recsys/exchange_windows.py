@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from recsys.exchange_plan import RowRequests, value_features
+from recsys.exchange_kernels import pooling_plan, window_members
+from recsys.exchange_plan import RowRequests
 from recsys.exchange_wire import WindowPlan
-from recsys.windows import window_sizes
 
 __all__ = ["rows_pooling", "rows_window_plan", "window_pooler"]
 
@@ -27,21 +28,15 @@ def rows_window_plan(
     of the rows asked of this rank (rank-major), ``asked`` (world, F) how many each rank asked per table."""
     world, windows = asked.shape[0], len(requests.windows)
     served_from = asked.sum(dim=1)  # (world,)
-    served_bits = (served[:, None] >> torch.arange(windows)) & 1  # (S, W)
-    mine_bits = (requests.mask[:, None] >> torch.arange(windows)) & 1  # (U, W)
-
-    def per_rank(bits: torch.Tensor, rank: torch.Tensor) -> list[list[int]]:  # (W, world) counts
-        slots = (rank[:, None] * windows + torch.arange(windows)).reshape(-1)
-        counts = torch.bincount(slots, weights=bits.reshape(-1).double(), minlength=world * windows)
-        return counts.view(world, windows).T.long().tolist()
-
-    requester = torch.repeat_interleave(torch.arange(world), served_from)
+    requester = np.repeat(np.arange(world, dtype=np.int64), served_from.numpy())
+    serve, serve_counts = window_members(served.numpy(), requester, windows, world)
+    get, get_counts = window_members(requests.mask.numpy(), requests.owner.numpy(), windows, world)
     return WindowPlan(
         windows=windows,
-        serve=[torch.nonzero(served_bits[:, w]).flatten() for w in range(windows)],
-        serve_sizes=per_rank(served_bits, requester),
-        get=[torch.nonzero(mine_bits[:, w]).flatten() for w in range(windows)],
-        get_sizes=per_rank(mine_bits, requests.owner),
+        serve=list(torch.from_numpy(serve).split(serve_counts.sum(axis=1).tolist())),
+        serve_sizes=serve_counts.tolist(),
+        get=list(torch.from_numpy(get).split(get_counts.sum(axis=1).tolist())),
+        get_sizes=get_counts.tolist(),
         requested=int(requests.sent.numel()),
         asked_of=requests.per_owner,
         served=int(served.numel()),
@@ -55,24 +50,19 @@ def rows_window_plan(
 
 def rows_pooling(kjt: KeyedJaggedTensor, requests: RowRequests, windows: int) -> Pooling:
     """Per window, which received row each id occurrence reads and the bag it adds into (occurrence order)."""
-    num_features, batch = len(kjt.keys()), kjt.stride()
-    sizes = window_sizes(batch, windows)
-    value_feature = value_features(kjt.length_per_key())
-    value_sample = torch.repeat_interleave(torch.arange(num_features * batch), kjt.lengths()) % batch
-    value_window = torch.repeat_interleave(torch.arange(windows), torch.tensor(sizes))[value_sample]
-    # where request u sits among window w's received rows: the requests before it that w uses
-    place = ((requests.mask[:, None] >> torch.arange(windows)) & 1).cumsum(dim=0) - 1  # (U, W)
-    by_window = torch.split(
-        torch.sort(value_window, stable=True).indices,  # occurrence order within each window
-        torch.bincount(value_window, minlength=windows).tolist(),
+    batch, sizes = kjt.stride(), requests.windows
+    index, bag, offsets = pooling_plan(
+        requests.occurrence.numpy(),
+        np.ascontiguousarray(kjt.lengths().to(torch.int64).numpy()),
+        batch,
+        np.repeat(np.arange(windows, dtype=np.int64), sizes),
+        np.cumsum([0, *sizes], dtype=np.int64),
+        requests.mask.numpy(),
     )
-    plans = []
-    for w, chosen in enumerate(by_window):
-        start, size = sum(sizes[:w]), sizes[w]
-        index = place[requests.occurrence[chosen], w]
-        bag = value_feature[chosen] * size + value_sample[chosen] - start
-        plans.append((index, bag, size))
-    return plans
+    parts = offsets[1:] - offsets[:-1]
+    indices = torch.from_numpy(index).split(parts.tolist())
+    bags = torch.from_numpy(bag).split(parts.tolist())
+    return [(i, b, size) for i, b, size in zip(indices, bags, sizes, strict=True)]
 
 
 def window_pooler(plans: Pooling, kjt: KeyedJaggedTensor, dim: int) -> Any:

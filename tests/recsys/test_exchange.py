@@ -84,8 +84,10 @@ def test_requests_and_counts_match_a_python_reference(sharding, windows, multi_h
         ownership=ownership,
         world_size=3,
     )
-    # each distinct (feature, id) is requested exactly once, from its owner, in (owner, feature, id) order
-    expected = sorted(uses, key=lambda key: (owners[key][0], key))
+    # each distinct (feature, id) is requested exactly once, from its owner, in (owner, feature, first
+    # use) order
+    first_use = {key: occurrences.index(key) for key in uses}
+    expected = sorted(uses, key=lambda key: (owners[key][0], key[0], first_use[key]))
     got = [(int(f), int(s) & ((1 << ID_BITS) - 1)) for f, s in zip(req.feature, req.sent, strict=True)]
     assert got == [(f, owners[(f, i)][1]) for f, i in expected]
     assert req.owner.tolist() == [owners[key][0] for key in expected]
