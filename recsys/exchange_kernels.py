@@ -6,6 +6,7 @@ instead of a chain of tensor operations, each of which walks the batch again.
   which the batch first uses them); and the request each id occurrence reads.
 - :func:`pooling_plan`: per window, which of its received rows each id occurrence reads and the bag it
   adds into, in occurrence order.
+- :func:`lookup_layout`: how an owner looks up the rows asked of it, each FBGEMM module once.
 - :func:`window_members`: per window, the requests (or served rows) whose mask has the window's bit, and
   how many of them go to (or come from) each rank.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["ID_BITS", "plan_requests", "pooling_plan", "window_members"]
+__all__ = ["ID_BITS", "lookup_layout", "plan_requests", "pooling_plan", "window_members"]
 
 ID_BITS = 48  # a local row index sits in the low 48 bits of a sent id; the window mask above it
 _LOW = (1 << ID_BITS) - 1
@@ -229,3 +230,73 @@ def window_members(  # pragma: no cover - compiled
             total += bit
             counts[w, rank[u]] += bit
     return members[:total].copy(), counts
+
+
+@numba.njit(
+    "Tuple((int64[:], int64[:], int64[:], int64[:]))(int64[:, :], int64[:], int64[:], int64[:], int64[:])",
+    nogil=True,
+    cache=True,
+)
+def lookup_layout(  # pragma: no cover - compiled
+    asked: np.ndarray, local: np.ndarray, module_of: np.ndarray, position_of: np.ndarray, tables: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """How an owner looks up the rows asked of it, each FBGEMM module once, a row as a bag of one.
+
+    Args: ``asked`` (world, F) rows each rank asked per feature, and ``local`` (S,) their rows, in the
+    order asked (requester, then feature); ``module_of`` (F,) the module holding each feature's shard
+    here (-1: none), ``position_of`` (F,) its table among the module's; ``tables`` (M,) per module.
+
+    Returns: per module in turn, its ``values`` table by table (a table's rows in the order asked) and
+    its ``lengths`` (T * bags, table-major: a table's first bags hold one row each, the rest none);
+    ``bags`` (M,) each module's bags (its largest table's rows); and ``index`` (S,): where each asked row
+    sits among the modules' outputs stacked as rows of D (a module's ``bag * T + table``).
+    """
+    world, num_features = asked.shape
+    modules = tables.shape[0]
+    table_base = np.zeros(modules + 1, dtype=np.int64)
+    for m in range(modules):
+        table_base[m + 1] = table_base[m] + tables[m]
+    count = np.zeros(table_base[modules], dtype=np.int64)  # rows asked per (module, table)
+    for r in range(world):
+        for f in range(num_features):
+            if asked[r, f]:
+                if module_of[f] < 0:
+                    raise ValueError("rows were asked of a table this rank holds no shard of")
+                count[table_base[module_of[f]] + position_of[f]] += asked[r, f]
+    bags = np.zeros(modules, dtype=np.int64)
+    for m in range(modules):
+        for t in range(tables[m]):
+            bags[m] = max(bags[m], count[table_base[m] + t])
+    fill = np.empty(table_base[modules], dtype=np.int64)  # where each table's next row goes in values
+    out_base = np.zeros(modules, dtype=np.int64)  # each module's first row among the stacked outputs
+    length_base = np.zeros(modules + 1, dtype=np.int64)
+    at, rows_at = 0, 0
+    for m in range(modules):
+        out_base[m] = rows_at
+        rows_at += bags[m] * tables[m]
+        length_base[m + 1] = length_base[m] + bags[m] * tables[m]
+        for t in range(tables[m]):
+            fill[table_base[m] + t] = at
+            at += count[table_base[m] + t]
+    lengths = np.zeros(length_base[modules], dtype=np.int64)
+    for m in range(modules):
+        for t in range(tables[m]):
+            start = length_base[m] + t * bags[m]
+            lengths[start : start + count[table_base[m] + t]] = 1
+    first = fill.copy()
+    values = np.empty(local.shape[0], dtype=np.int64)
+    index = np.empty(local.shape[0], dtype=np.int64)
+    k = 0
+    for r in range(world):
+        for f in range(num_features):
+            if not asked[r, f]:
+                continue
+            m, t = module_of[f], position_of[f]
+            slot = table_base[m] + t
+            for _ in range(asked[r, f]):
+                p = fill[slot]
+                fill[slot] += 1
+                values[p] = local[k]
+                index[k] = out_base[m] + (p - first[slot]) * tables[m] + t
+                k += 1
+    return values, lengths, bags, index

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
@@ -34,6 +35,7 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.errors import UserError
+from recsys.exchange_kernels import lookup_layout
 from recsys.exchange_plan import ID_BITS, Ownership, RowRequests, batch_counts, value_features
 from recsys.exchange_windows import rows_pooling, rows_window_plan, window_pooler
 from recsys.exchange_wire import Ready, VectorsAllToAll, WindowOutput, WindowPlan
@@ -114,6 +116,16 @@ class RowsExchange:
         self._modules = [
             (ts[0].module, sorted(ts, key=lambda t: t.position)) for ts in grouped.values()
         ]  # each FBGEMM module with its tables in the module's order
+        module_of = np.full(num_features, -1, dtype=np.int64)
+        position_of = np.zeros(num_features, dtype=np.int64)
+        for m, (_, tables) in enumerate(self._modules):
+            for k, t in enumerate(tables):
+                module_of[t.feature], position_of[t.feature] = m, k
+        self._layout = (
+            module_of,
+            position_of,
+            np.array([len(ts) for _, ts in self._modules], dtype=np.int64),
+        )
         self._input_dist = ebc.input_dist
         self._compute_and_output_dist = ebc.compute_and_output_dist
 
@@ -279,41 +291,31 @@ class RowsExchange:
 
     def _lookup_rows(self, incoming: _Incoming) -> torch.Tensor:
         """:meth:`_lookup` when every table goes as rows: (S, D) the rows asked of this rank, in the order
-        asked (requester, then feature, then first use); each FBGEMM module looks up its tables' rows once, as bags
-        of one row, tables padded with empty bags to the longest."""
+        asked (requester, then feature, then first use); each FBGEMM module looks up its tables' rows
+        once, as bags of one row, tables padded with empty bags to the longest
+        (:func:`~recsys.exchange_kernels.lookup_layout`)."""
         num_features = len(self.ownership.features)
-        asked = incoming.asked[:, :num_features]  # (world, F)
-        local = incoming.received & _LOW  # (S,)
-        feature = torch.repeat_interleave(
-            torch.arange(num_features).repeat(self.world_size), asked.reshape(-1)
+        if incoming.received.numel() == 0:  # still a node: its backward joins the exchange
+            return torch.zeros((0, self.dim), requires_grad=True)
+        values, lengths, bags, index = lookup_layout(
+            np.ascontiguousarray(incoming.asked[:, :num_features].numpy()),
+            (incoming.received & _LOW).numpy(),
+            *self._layout,
         )
-        pieces, rows_of = [], []
-        for module, tables in self._modules:
-            position = torch.full((num_features,), -1, dtype=torch.int64)
-            position[torch.tensor([t.feature for t in tables])] = torch.arange(len(tables))
-            mine = torch.nonzero(position[feature] >= 0).flatten()  # (S_m,) the rows this module holds
-            table = position[feature[mine]]
-            order = torch.sort(table, stable=True).indices  # table-major, then as asked
-            per_table = torch.bincount(table, minlength=len(tables))
-            bags = int(per_table.max()) if per_table.numel() else 0
-            lengths = (torch.arange(bags)[None, :] < per_table[:, None]).reshape(-1).long()
+        outs, value_at, length_at = [], 0, 0
+        for (module, tables), n in zip(self._modules, bags.tolist(), strict=True):
+            size = len(tables) * n
+            count = int(lengths[length_at : length_at + size].sum())
             kjt = KeyedJaggedTensor(
                 keys=[str(t.position) for t in tables],
-                values=local[mine[order]],
-                lengths=lengths,
-                stride=bags,
+                values=torch.from_numpy(values[value_at : value_at + count]),
+                lengths=torch.from_numpy(lengths[length_at : length_at + size]),
+                stride=n,
             )
-            out = module(kjt).view(bags, len(tables), self.dim)  # a bag of one row is the row itself
-            bag = torch.empty_like(order)
-            bag[order] = torch.arange(order.numel()) - (torch.cumsum(per_table, 0) - per_table)[table[order]]
-            pieces.append(out[bag, table])  # (S_m, D) in the order asked
-            rows_of.append(mine)
-        if (
-            not pieces or sum(p.shape[0] for p in pieces) == 0
-        ):  # still a node: its backward joins the exchange
-            return torch.zeros((0, self.dim), requires_grad=True)
-        rows = torch.cat(rows_of)
-        return torch.cat(pieces).index_select(0, torch.argsort(rows))
+            outs.append(module(kjt).view(-1, self.dim))  # a bag of one row is the row itself
+            value_at, length_at = value_at + count, length_at + size
+        stacked = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return stacked.index_select(0, torch.from_numpy(index))
 
     def _lookup(self, incoming: _Incoming) -> tuple[torch.Tensor, list[list[int]]]:
         """(V, D) the vectors this rank serves, requester-major (its rows requests, then each pooled

@@ -69,19 +69,28 @@ def window_pooler(plans: Pooling, kjt: KeyedJaggedTensor, dim: int) -> Any:
     """``pool(vectors, w)``: window ``w``'s pooled embeddings (a KeyedTensor of (b, F * D)) from its
     received vectors (R_w, D)."""
     num_features, keys = len(kjt.keys()), list(kjt.keys())
-    one_each = [bool(torch.equal(bag, torch.arange(num_features * size))) for _, bag, size in plans]
+    # where every bag of a window holds one id (one-hot features), its pooled vectors are the rows
+    # themselves: gathered sample by sample, they are the (b, F * D) output with no transpose to copy
+    sample_major = [
+        index.view(num_features, size).T.reshape(-1)
+        if torch.equal(bag, torch.arange(num_features * size))
+        else None
+        for index, bag, size in plans
+    ]
 
     def pool(vectors: torch.Tensor, w: int) -> KeyedTensor:
         index, bag, size = plans[w]
         # sums in occurrence order, and so are the gradients (index_select's backward is an index_add in
-        # source order): F.embedding_bag's backward sorts indices without a stable order. Where every bag
-        # holds one id (one-hot features), the pooled vectors are the rows themselves.
-        gathered = vectors.index_select(0, index)
-        if one_each[w]:
-            pooled = gathered  # (F * b, D)
+        # source order): F.embedding_bag's backward sorts indices without a stable order. Gathered sample
+        # by sample, the rows a window reads twice are still added in occurrence order (one feature's).
+        by_sample = sample_major[w]
+        if by_sample is not None:
+            values = vectors.index_select(0, by_sample).view(size, num_features * dim)
         else:
-            pooled = vectors.new_zeros((num_features * size, dim)).index_add(0, bag, gathered)
-        values = pooled.view(num_features, size, dim).transpose(0, 1).reshape(size, -1)  # (b, F * D)
+            pooled = vectors.new_zeros((num_features * size, dim)).index_add(
+                0, bag, vectors.index_select(0, index)
+            )
+            values = pooled.view(num_features, size, dim).transpose(0, 1).reshape(size, -1)  # (b, F * D)
         return KeyedTensor(keys=keys, length_per_key=[dim] * num_features, values=values)
 
     return pool
