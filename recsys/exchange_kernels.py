@@ -30,7 +30,7 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of key *
 
 # Signatures given: compiled (or loaded from numba's cache) on import, not in a batch's first call.
 @numba.njit(
-    "Tuple((int64[:], int64[:], int64[:], int64[:], int64[:], int64[:]))"
+    "Tuple((int64[:], int64[:], int64[:], int64[:], int64[:], int64[:], int64[:, :], int64[:, :]))"
     "(int64[:], int64[:], int64, int64[:], boolean[:], int64[:], int64[:], int64[:], int64)",
     nogil=True,
     cache=True,
@@ -55,7 +55,8 @@ def plan_requests(  # pragma: no cover - compiled
 
     Returns: ``sent`` (U,) ``local row | mask << ID_BITS``, ``feature`` (U,), ``owner`` (U,),
     ``per_owner`` (world,), ``mask`` (U,), all in send order (owner, feature, first use), and ``occurrence`` (N,), the request each id
-    occurrence reads (-1 for features not exchanged as rows).
+    occurrence reads (-1 for features not exchanged as rows); and per (owner, feature), (world, F): the
+    requests, and the rows the windows receive for them (the masks' bits).
     """
     n = values.shape[0]
     cap, bits = 16, 4
@@ -120,7 +121,9 @@ def plan_requests(  # pragma: no cover - compiled
         group[u] = owners[shard] * num_features + (key >> ID_BITS)
         local[u] = (key & _LOW) - starts[shard]
         start[group[u] + 1] += 1
+    asked = np.empty((world, num_features), dtype=np.int64)
     for g in range(world * num_features):
+        asked[g // num_features, g % num_features] = start[g + 1]
         start[g + 1] += start[g]
     per_owner = np.empty(world, dtype=np.int64)
     for r in range(world):
@@ -139,15 +142,22 @@ def plan_requests(  # pragma: no cover - compiled
         owner[p] = shard_owner[u]
         mask[p] = masks[u]
         position[u] = p
+    uses = np.zeros((world, num_features), dtype=np.int64)
+    for p in range(distinct):
+        bits, m = 0, mask[p]
+        while m:
+            bits += m & 1
+            m >>= 1
+        uses[owner[p], feature[p]] += bits
     occurrence = np.full(n, -1, dtype=np.int64)
     for i in range(n):
         if inverse[i] >= 0:
             occurrence[i] = position[inverse[i]]
-    return sent, feature, owner, per_owner, mask, occurrence
+    return sent, feature, owner, per_owner, mask, occurrence, asked, uses
 
 
 @numba.njit(
-    "Tuple((int64[:], int64[:], int64[:]))(int64[:], int64[:], int64, int64[:], int64[:], int64[:])",
+    "Tuple((int64[:], int64[:], int64[:], boolean[:]))(int64[:], int64[:], int64, int64[:], int64[:], int64[:])",
     nogil=True,
     cache=True,
 )
@@ -158,7 +168,7 @@ def pooling_plan(  # pragma: no cover - compiled
     window_of_sample: np.ndarray,
     window_start: np.ndarray,
     mask: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """How each window pools its bags from its received rows.
 
     Args: ``occurrence`` (N,) the request each id occurrence reads (-1 for every id of a feature not
@@ -168,8 +178,10 @@ def pooling_plan(  # pragma: no cover - compiled
     in send order, the requests whose mask has bit ``w``.
 
     Returns: ``index`` and ``bag``, window by window and in occurrence order within one: the received row
-    an occurrence reads and its bag (``feature * window size + sample in window``); and ``offsets``
-    (W + 1,) where each window's part starts.
+    an occurrence reads and its bag (``feature * window size + sample in window``); ``offsets``
+    (W + 1,) where each window's part starts; and ``one_hot`` (W,): every bag of the window holds one id
+    of a rows feature. A one-hot window's pooled vectors are its rows: its ``index`` is sample by sample
+    (``sample * F + feature``), the (b, F * D) output's row order, and its ``bag`` is unused.
     """
     windows = window_start.shape[0] - 1
     place = np.empty((mask.shape[0], windows), dtype=np.int64)  # request u among window w's rows
@@ -182,14 +194,19 @@ def pooling_plan(  # pragma: no cover - compiled
     # a feature's ids are its samples' in order, and a window's samples are contiguous: walk (feature,
     # window) blocks, each read once, with its fill position in a register
     offsets = np.zeros(windows + 1, dtype=np.int64)
+    one_hot = np.ones(windows, dtype=np.bool_)
     i = 0
     for f in range(num_features):
         for w in range(windows):
-            count = 0
+            count, ones = 0, True
             for j in range(f * batch + window_start[w], f * batch + window_start[w + 1]):
                 count += lengths[j]
+                ones &= lengths[j] == 1
             if count and occurrence[i] >= 0:  # a feature's ids all go as rows, or none does
                 offsets[w + 1] += count
+            else:
+                ones = False
+            one_hot[w] &= ones
             i += count
     for w in range(windows):
         offsets[w + 1] += offsets[w]
@@ -200,6 +217,12 @@ def pooling_plan(  # pragma: no cover - compiled
     for f in range(num_features):
         for w in range(windows):
             first, size, at = window_start[w], window_start[w + 1] - window_start[w], fill[w]
+            if one_hot[w]:
+                for s in range(first, first + size):
+                    index[offsets[w] + (s - first) * num_features + f] = place[occurrence[i], w]
+                    i += 1
+                fill[w] = at + size
+                continue
             for s in range(first, first + size):
                 for _ in range(lengths[f * batch + s]):
                     u = occurrence[i]
@@ -209,7 +232,7 @@ def pooling_plan(  # pragma: no cover - compiled
                         at += 1
                     i += 1
             fill[w] = at
-    return index, bag, offsets
+    return index, bag, offsets, one_hot
 
 
 @numba.njit("Tuple((int64[:], int64[:, :]))(int64[:], int64[:], int64, int64)", nogil=True, cache=True)

@@ -159,6 +159,8 @@ class RowRequests:
         mask: (U,) int64 bit ``w`` set when window ``w`` uses the id.
         occurrence: (N,) the request each id occurrence of the batch reads (index into ``sent``).
         windows: the window sizes in samples.
+        asked: (world, F) requests per owner and feature.
+        uses: (world, F) rows the windows receive per owner and feature (the masks' bits).
     """
 
     sent: torch.Tensor
@@ -168,6 +170,8 @@ class RowRequests:
     mask: torch.Tensor
     occurrence: torch.Tensor
     windows: list[int]
+    asked: torch.Tensor
+    uses: torch.Tensor
 
 
 def value_features(lengths_per_key: list[int]) -> torch.Tensor:
@@ -206,7 +210,7 @@ def plan_rows(
         if features is None
         else features.numpy().astype(np.bool_)
     )
-    sent, feature, owner, per_owner, mask, occurrence = plan_requests(
+    sent, feature, owner, per_owner, mask, occurrence, asked, uses = plan_requests(
         _int64(values),
         _int64(lengths),
         batch,
@@ -223,6 +227,8 @@ def plan_rows(
         mask=torch.from_numpy(mask),
         occurrence=torch.from_numpy(occurrence),
         windows=sizes,
+        asked=torch.from_numpy(asked),
+        uses=torch.from_numpy(uses),
     )
 
 
@@ -233,17 +239,14 @@ def _int64(x: torch.Tensor) -> np.ndarray:
 
 def rows_counts(requests: RowRequests, *, rank: int, num_features: int, dims: list[int]) -> ExchangeCounts:
     """What ``requests`` send between different ranks, per feature."""
-    remote = requests.owner != rank
-    feature = requests.feature[remote]
-    ids = torch.bincount(feature, minlength=num_features)
-    bits = (requests.mask[remote, None] >> torch.arange(len(requests.windows))) & 1  # (U', W)
-    rows = torch.bincount(feature, weights=bits.sum(dim=1).double(), minlength=num_features)
+    remote = torch.arange(requests.asked.shape[0]) != rank
+    ids = requests.asked[remote].sum(dim=0).tolist()
     zero = [0] * num_features
     return ExchangeCounts(
-        ids=ids.tolist(),
+        ids=ids,
         lengths=list(zero),
-        rows=[int(r) for r in rows.tolist()],
-        grad_rows=ids.tolist(),
+        rows=requests.uses[remote].sum(dim=0).tolist(),
+        grad_rows=list(ids),
         pooled=list(zero),
         dims=list(dims),
     )

@@ -37,7 +37,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys.errors import UserError
 from recsys.exchange_kernels import lookup_layout
 from recsys.exchange_plan import ID_BITS, Ownership, RowRequests, batch_counts, value_features
-from recsys.exchange_windows import rows_pooling, rows_window_plan, window_pooler
+from recsys.exchange_windows import by_sample, rows_pooling, rows_window_plan, window_pooler
 from recsys.exchange_wire import Ready, VectorsAllToAll, WindowOutput, WindowPlan
 from recsys.windows import window_sizes
 
@@ -179,9 +179,7 @@ class RowsExchange:
         assert requests is not None
         self.record(counts, batch)
         header = torch.zeros((world, num_features + 1), dtype=torch.int64)
-        header[:, :num_features] = torch.bincount(
-            requests.owner * num_features + requests.feature, minlength=world * num_features
-        ).view(world, num_features)
+        header[:, :num_features] = requests.asked
         header[:, num_features] = batch
         if self.any_pooled:
             payload, sizes = self._with_pooled(features, requests, header)
@@ -478,5 +476,5 @@ class RowsExchange:
                     (block_feature * size + within).reshape(-1),
                 ]
             )
-            plans.append((torch.searchsorted(plan.get[w], g), bag, size))
+            plans.append(by_sample(torch.searchsorted(plan.get[w], g), bag, size, num_features))
         return window_pooler(plans, kjt, self.dim)

@@ -16,9 +16,11 @@ from recsys.exchange_kernels import pooling_plan, window_members
 from recsys.exchange_plan import RowRequests
 from recsys.exchange_wire import WindowPlan
 
-__all__ = ["rows_pooling", "rows_window_plan", "window_pooler"]
+__all__ = ["by_sample", "rows_pooling", "rows_window_plan", "window_pooler"]
 
-Pooling = list[tuple[torch.Tensor, torch.Tensor, int]]  # per window: (index, bag, samples)
+# per window: (index, bag, samples, one_hot); a one-hot window's index is sample by sample and its bag
+# unused (:func:`~recsys.exchange_kernels.pooling_plan`)
+Pooling = list[tuple[torch.Tensor, torch.Tensor, int, bool]]
 
 
 def rows_window_plan(
@@ -51,7 +53,7 @@ def rows_window_plan(
 def rows_pooling(kjt: KeyedJaggedTensor, requests: RowRequests, windows: int) -> Pooling:
     """Per window, which received row each id occurrence reads and the bag it adds into (occurrence order)."""
     batch, sizes = kjt.stride(), requests.windows
-    index, bag, offsets = pooling_plan(
+    index, bag, offsets, one_hot = pooling_plan(
         requests.occurrence.numpy(),
         np.ascontiguousarray(kjt.lengths().to(torch.int64).numpy()),
         batch,
@@ -62,30 +64,33 @@ def rows_pooling(kjt: KeyedJaggedTensor, requests: RowRequests, windows: int) ->
     parts = offsets[1:] - offsets[:-1]
     indices = torch.from_numpy(index).split(parts.tolist())
     bags = torch.from_numpy(bag).split(parts.tolist())
-    return [(i, b, size) for i, b, size in zip(indices, bags, sizes, strict=True)]
+    return [
+        (i, b, size, bool(hot))
+        for i, b, size, hot in zip(indices, bags, sizes, one_hot.tolist(), strict=True)
+    ]
+
+
+def by_sample(index: torch.Tensor, bag: torch.Tensor, size: int, num_features: int) -> tuple[Any, ...]:
+    """One window's pooling in occurrence order as :data:`Pooling` holds it: sample by sample where every
+    bag holds one id."""
+    if torch.equal(bag, torch.arange(num_features * size)):
+        return index.view(num_features, size).T.reshape(-1), bag, size, True
+    return index, bag, size, False
 
 
 def window_pooler(plans: Pooling, kjt: KeyedJaggedTensor, dim: int) -> Any:
     """``pool(vectors, w)``: window ``w``'s pooled embeddings (a KeyedTensor of (b, F * D)) from its
     received vectors (R_w, D)."""
     num_features, keys = len(kjt.keys()), list(kjt.keys())
-    # where every bag of a window holds one id (one-hot features), its pooled vectors are the rows
-    # themselves: gathered sample by sample, they are the (b, F * D) output with no transpose to copy
-    sample_major = [
-        index.view(num_features, size).T.reshape(-1)
-        if torch.equal(bag, torch.arange(num_features * size))
-        else None
-        for index, bag, size in plans
-    ]
 
     def pool(vectors: torch.Tensor, w: int) -> KeyedTensor:
-        index, bag, size = plans[w]
+        index, bag, size, one_hot = plans[w]
         # sums in occurrence order, and so are the gradients (index_select's backward is an index_add in
-        # source order): F.embedding_bag's backward sorts indices without a stable order. Gathered sample
-        # by sample, the rows a window reads twice are still added in occurrence order (one feature's).
-        by_sample = sample_major[w]
-        if by_sample is not None:
-            values = vectors.index_select(0, by_sample).view(size, num_features * dim)
+        # source order): F.embedding_bag's backward sorts indices without a stable order. A one-hot
+        # window's pooled vectors are its rows, gathered sample by sample into the (b, F * D) output; the
+        # rows it reads twice (one feature's) are still added in occurrence order.
+        if one_hot:
+            values = vectors.index_select(0, index).view(size, num_features * dim)
         else:
             pooled = vectors.new_zeros((num_features * size, dim)).index_add(
                 0, bag, vectors.index_select(0, index)
