@@ -88,7 +88,8 @@ class StepHealth:
         """
         if not math.isfinite(loss):
             return f"the loss ({loss})"
-        grads = [(n, p.grad) for n, p in self.dense_params() if p.grad is not None]
+        # a layer over no inputs (a model without dense features) has an empty weight: nothing to check
+        grads = [(n, p.grad) for n, p in self.dense_params() if p.grad is not None and p.grad.numel()]
         if grads:
             peaks = torch.stack(torch._foreach_norm([g for _, g in grads], math.inf))
             if not bool(torch.isfinite(peaks).all()):
