@@ -254,6 +254,12 @@ def predict(
             )
         keys = _keys(dataset, keep)
         source = _parts(dataset, split, opts["batch_size"], opts["rows"], bool(inputs))
+        try:  # the scores' folder, made as export makes its bundle's
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(
+                f"--out {out}: cannot make its folder {out.parent}: {err.strerror or err}"
+            ) from None
         remove_stale(out)  # what a predict killed outright (SIGKILL) left beside it
         try:
             return _score(scorer, source, keys, out, kind, split if not inputs else "input", opts["rows"])

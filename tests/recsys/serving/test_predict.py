@@ -55,6 +55,21 @@ def test_predict_parquet_all_splits_with_a_row_limit(exported, tmp_path):
     assert set(table) == {"row", "split", "label", "logit", "score"}
 
 
+def test_predict_makes_a_missing_output_folder_or_refuses_in_one_line(exported, tmp_path):
+    out = tmp_path / "new" / "folder" / "scores.csv"
+    report = predict(exported("table_wise_2"), out, options={"rows": 10})
+    assert report["rows"] == 10 and len(_read_csv(out)) == 10
+    (tmp_path / "a_file").write_text("")
+    proc = cli(
+        "predict", "--bundle", str(exported("table_wise_2")), "--out", str(tmp_path / "a_file" / "s.csv")
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"recsys: error: --out {tmp_path / 'a_file' / 's.csv'}: cannot make its folder {tmp_path / 'a_file'}: "
+        "File exists"
+    ]
+
+
 def test_predict_on_other_data_with_the_same_schema(exported, tmp_path):
     """``--set`` reshapes the data (here: a held-out split of another size) but not the model."""
     out = tmp_path / "s.csv"
