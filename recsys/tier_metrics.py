@@ -9,7 +9,13 @@ One component owns every definition, for the log lines, ``metrics.jsonl`` and ``
   from LMDB or a first initialisation: ``1 - (ssd_rows_read + rows_initialised) / device_rows_in``.
 
 A device tier below ``THRASH_HIT_RATE`` on a warm table thrashes; the warning names the table, its slots
-and the way out. Every method that says "collective" must be called on all ranks together.
+and the way out. Warm: its slots are full and it has evicted rows over the span. Until then every miss is
+an id's first use, which no number of slots avoids (a 1-step run misses every id it sees once). Every
+method that says "collective" must be called on all ranks together.
+
+The host figure compares rows read from below with rows filled into the device tier, and the prefetch reads
+a row from LMDB a few batches before it is filled (``store.lookahead``): over a log window the reads can
+lead the fills. A span whose reads outnumber its fills reports a host hit rate of 0, never below.
 """
 
 from __future__ import annotations
@@ -48,13 +54,18 @@ THRASH_HIT_RATE = 0.5
 PREDICTION_TOLERANCE = 0.02
 
 
+_EVICTIONS = COUNTERS.index("device_evictions")
+
+
 def rates_of(c: Mapping[str, float]) -> dict[str, float]:
     """The two hit rates of one set of counters (``COUNTERS`` by name); 1.0 where nothing was asked."""
     requests = c["device_hits"] + c["device_misses"]
     below = c["ssd_rows_read"] + c["rows_initialised"]
     return {
         "device_hit_rate": c["device_hits"] / requests if requests else 1.0,
-        "host_hit_rate": 1.0 - below / c["device_rows_in"] if c["device_rows_in"] else 1.0,
+        "host_hit_rate": 1.0 - min(below, c["device_rows_in"]) / c["device_rows_in"]
+        if c["device_rows_in"]
+        else 1.0,
     }
 
 
@@ -134,7 +145,7 @@ class TierMetrics:
         per_table = {
             n: rates_of(dict(zip(COUNTERS, d.tolist(), strict=True)))["device_hit_rate"]
             for n, d in deltas.items()
-            if float(d[0] + d[1]) > 0
+            if float(d[0] + d[1]) > 0 and float(d[_EVICTIONS]) > 0
         }
         low = {n: r for n, r in per_table.items() if r < THRASH_HIT_RATE}
         if not (low and warm):
@@ -200,7 +211,7 @@ class TierMetrics:
             }
             out[name] = rates
             slots = self.capacities.device_rows[feature]
-            if requests and rates["device_hit_rate"] < THRASH_HIT_RATE:
+            if requests and c["device_evictions"] > 0 and rates["device_hit_rate"] < THRASH_HIT_RATE:
                 key = self.capacities.device_key(feature)
                 warnings.append(
                     thrashing(name, rates["device_hit_rate"], slots=slots, over="training", key=key)
