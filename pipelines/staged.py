@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -299,9 +299,10 @@ class StagedPipeline:
         """JSON-ready per-stage busy/stall/blocked seconds, item counts, ``bound_by`` (see timeline)."""
         return self.timeline.report(self.mode.value)
 
-    def stall_warning(self) -> str | None:
-        """A one-line warning when the consumer waits for input most of the step (see ``stall_warning``)."""
-        return stall_warning(self.stats(), fraction=self.config.stall_fraction)
+    def stall_warning(self, advice: Mapping[str, str] | None = None) -> str | None:
+        """A one-line warning when the consumer waits for input most of the step (see ``stall_warning``);
+        ``advice``: per stage, what would speed it up."""
+        return stall_warning(self.stats(), fraction=self.config.stall_fraction, advice=advice)
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the Chrome trace (Trace Event Format JSON) of every stage of every traced batch."""

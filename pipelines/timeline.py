@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,12 +153,15 @@ class Timeline:
         return path
 
 
-def stall_warning(report: dict[str, Any], *, fraction: float = 0.5) -> str | None:
+def stall_warning(
+    report: dict[str, Any], *, fraction: float = 0.5, advice: Mapping[str, str] | None = None
+) -> str | None:
     """A warning when the consumer waits for input more than ``fraction`` of the wall time, else None.
 
     Only the consumer's wait costs step time: in a healthy, compute-bound pipeline every earlier stage is
     blocked on a full queue most of the time, and a stage behind the bottleneck stalls on input — both are
-    expected. The message names the stage that bounds the step and its busy time per batch.
+    expected. The message names the stage that bounds the step, its busy time per batch and, from
+    ``advice`` (stage name -> what would speed it up), what to change.
 
     Example:
         >>> stall_warning({"mode": "pipelined", "consumer_wait_fraction": 0.1, "stages": {}}) is None
@@ -172,7 +175,8 @@ def stall_warning(report: dict[str, Any], *, fraction: float = 0.5) -> str | Non
     bound = report.get("bound_by")
     stages = report.get("stages", {})
     per_item_ms = 1e3 * float(stages.get(bound, {}).get("busy_per_item_s", 0.0)) if bound else 0.0
+    hint = (advice or {}).get(bound or "")
     return (
         f"pipeline stall: the consumer waits {wait:.0%} of the step for its next batch; "
-        f"stage {bound!r} bounds the step at {per_item_ms:.1f} ms per batch"
+        f"stage {bound!r} bounds the step at {per_item_ms:.1f} ms per batch" + (f": {hint}" if hint else "")
     )

@@ -46,6 +46,15 @@ log = logging.getLogger("recsys")
 # Warnings repeat at most every this many log points.
 WARN_EVERY_LOGS = 10
 
+# What would speed up the stage that bounds a stalled pipeline (the stall warning's last words).
+STALL_ADVICE = {
+    "load": "the data reader is the slow part; a columnar copy reads faster (Parquet; Criteo TSV: npy from "
+    "`recsys preprocess`)",
+    "route": "tier fewer tables (store.tables)",
+    "prefetch": "raise store.host_rows for fewer LMDB reads a batch (`recsys tune-cache` recommends capacities)",
+    "fill": "raise store.device_rows for fewer rows filled a batch (`recsys tune-cache` recommends capacities)",
+}
+
 Feed = Callable[[int, int], tuple[Iterator[Batch], StagedPipeline | None]]
 
 
@@ -179,7 +188,7 @@ class TrainLoop:
             extra = {"tiers": tiers, "pipeline": {"bound_by": stats.get("bound_by")}}
             postfix.update(hit=f"{tiers['device_hit_rate']:.3f}", bound=str(stats.get("bound_by")))
             self._logs += 1
-            for message in (thrash, feed.stall_warning()):
+            for message in (thrash, feed.stall_warning(STALL_ADVICE)):
                 self._warn(message, bar)
         extra["exchange"] = wire = t.parts.exchange.window()
         postfix["wire_B"] = f"{wire['bytes_per_sample']:,.0f}"  # bytes per sample between ranks

@@ -113,6 +113,12 @@ def test_stall_warning_names_the_slow_stage_when_the_consumer_waits():
     assert message is not None and "'prefetch'" in message and "consumer waits" in message
 
 
+def test_the_stall_warning_says_what_would_speed_the_bounding_stage_up():
+    pipe = run(PipelineMode.PIPELINED, {"prefetch": 0.012, "fill": 0.001}, consumer_s=0.001)
+    message = pipe.stall_warning({"prefetch": "raise the host rows", "fill": "raise the slots"})
+    assert message is not None and message.endswith("ms per batch: raise the host rows")
+
+
 def test_no_stall_warning_when_compute_bounds_the_step():
     pipe = run(PipelineMode.PIPELINED, {"prefetch": 0.001, "fill": 0.001}, consumer_s=0.012)
     assert pipe.stall_warning() is None
