@@ -129,7 +129,9 @@ def fold_ids(batch: Batch, modulus: list[int]) -> Batch:
 
 
 def _warn_folded(cfg: RunConfig, features: list[str], spaces: list[int], fold: list[int]) -> None:
-    """One warning when an untiered run folds ids that its tiered twin would keep apart."""
+    """One warning when an untiered run folds ids that its tiered twin would keep apart, with what the
+    folded tables weigh: their ids' space is unknown or larger than ``max_rows_per_table``, so each gets
+    that many rows, however few distinct ids it holds."""
     if cfg.store.tiered:
         return
     candidates = set(cfg.store.tables) or set(features)
@@ -139,12 +141,19 @@ def _warn_folded(cfg: RunConfig, features: list[str], spaces: list[int], fold: l
         if m and f in candidates
     ]
     if folded:
+        rows = cfg.sparse.max_rows_per_table
+        mib = rows * row_bytes(cfg.sparse, cfg.model.table_dim) / 2**20
         log.warning(
             "store.tiered=false: the in-memory tables of %s fold ids modulo sparse.max_rows_per_table=%d (hash collisions), so "
             "this run trains a different model than store.tiered=true and the digests differ; digests agree "
-            "when every id space fits in sparse.max_rows_per_table",
+            "when every id space fits in sparse.max_rows_per_table. Each of these tables holds %s rows "
+            "(%.1f MiB with its optimizer state; %.1f MiB in all): declare a feature's id_space in the "
+            "dataset spec, or lower sparse.max_rows_per_table, where it has fewer distinct ids",
             ", ".join(folded),
-            cfg.sparse.max_rows_per_table,
+            rows,
+            f"{rows:,}",
+            mib,
+            mib * len(folded),
         )
 
 

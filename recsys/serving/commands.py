@@ -122,7 +122,10 @@ def _export(args: argparse.Namespace) -> int:
 
     options = ExportOptions(buffer_rows=args.buffer_rows, keep_optimizer_state=args.keep_optimizer_state)
     report = export_bundle(args.run, args.out, checkpoint=args.checkpoint, options=options)
-    tables = ", ".join(f"{name} {t['rows']:,} rows ({t['kind']})" for name, t in report["tables"].items())
+    tables = ", ".join(
+        f"{name} {t['rows']:,} rows, {t['bytes'] / 2**20:.1f} MiB ({t['kind']})"
+        for name, t in report["tables"].items()
+    )
     print(f"exported step {report['step']} in {report['seconds']:.1f} s: {tables}")
     print(f"wrote {report['bundle']} ({report['bytes'] / 2**20:.1f} MiB)")
     return 0

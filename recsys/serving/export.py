@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -45,7 +46,13 @@ from recsys.serving.export_bounds import kept_rows, restricted_chunks
 from recsys.serving.export_tiered import copy_tiered
 from recsys.serving.output import remove_stale, temporary, write_failure
 from recsys.serving.runs import find_checkpoint, run_config
-from recsys.serving.safetensors_stream import SAFETENSORS_DTYPES, Chunks, tensor_chunks, write_safetensors
+from recsys.serving.safetensors_stream import (
+    DTYPE_BYTES,
+    SAFETENSORS_DTYPES,
+    Chunks,
+    tensor_chunks,
+    write_safetensors,
+)
 from recsys.table_names import feature_of, table_name
 
 __all__ = ["ExportOptions", "export_bundle"]
@@ -390,6 +397,10 @@ def _write(
                 state_shape = (keep.shape[0], *state_shape[1:])
             plain_entries.append((f"{table}.state", state_shape, "F32", state_chunks))
     write_safetensors(out / TABLES, plain_entries, {"format": FORMAT})
+    table_bytes: dict[str, int] = {}  # what each table's rows take in the bundle (its tensors' bytes)
+    for name, shape, kind, _ in plain_entries:
+        table = name.rsplit(".", 1)[0]
+        table_bytes[table] = table_bytes.get(table, 0) + math.prod(shape) * DTYPE_BYTES[kind]
 
     tiered = [t for t in table_keys if t in layouts]
     row_floats = None
@@ -402,6 +413,7 @@ def _write(
                     writer, table, layouts[table], (config, kept.get(table)), options
                 )
                 row_floats = floats if row_floats is None else row_floats
+                table_bytes[table] = rows * floats * 4  # a stored row is ``floats`` 4-byte words
                 if floats != row_floats:
                     raise UserError(f"export: tiered tables have rows of {row_floats} and {floats} floats")
                 features.append(
@@ -432,4 +444,10 @@ def _write(
             "kept": options.keep_optimizer_state,
         },
     }
-    return {"model": model, "tables": {f["table"]: {"kind": f["kind"], "rows": f["rows"]} for f in features}}
+    return {
+        "model": model,
+        "tables": {
+            f["table"]: {"kind": f["kind"], "rows": f["rows"], "bytes": table_bytes[f["table"]]}
+            for f in features
+        },
+    }

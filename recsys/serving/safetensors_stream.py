@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Chunks", "SAFETENSORS_DTYPES", "write_safetensors", "tensor_chunks"]
+__all__ = ["Chunks", "DTYPE_BYTES", "SAFETENSORS_DTYPES", "write_safetensors", "tensor_chunks"]
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32",
@@ -23,7 +23,7 @@ SAFETENSORS_DTYPES = {
     torch.int64: "I64",
     torch.int32: "I32",
 }
-_BYTES = {"F32": 4, "F16": 2, "F64": 8, "I64": 8, "I32": 4}
+DTYPE_BYTES = {"F32": 4, "F16": 2, "F64": 8, "I64": 8, "I32": 4}
 
 Chunks = Callable[[], Iterator[np.ndarray]]
 
@@ -39,7 +39,7 @@ def write_safetensors(
     header: dict[str, Any] = {}
     offset = 0
     for name, shape, dtype, _ in entries:
-        size = math.prod(shape) * _BYTES[dtype]
+        size = math.prod(shape) * DTYPE_BYTES[dtype]
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     header["__metadata__"] = meta

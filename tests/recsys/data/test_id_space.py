@@ -110,6 +110,7 @@ def test_an_id_space_larger_than_an_in_memory_table_is_warned_about(tmp_path, cl
     config = _write(tmp_path, item_space=1 << 40)
     proc = _train(config, tmp_path / "run", False, cli_env)
     assert "the in-memory tables of item (1,099,511,627,776 ids) fold ids modulo" in proc.stderr
+    assert "Each of these tables holds 1,000,000 rows" in proc.stderr
 
 
 def test_criteo_hex_ids_are_folded_into_a_declared_id_space(tmp_path):
@@ -129,3 +130,24 @@ def test_criteo_hex_ids_are_folded_into_a_declared_id_space(tmp_path):
         ids = batch.sparse[f"c{j}"].values().numpy()
         expected = [r[j] % (1000 + j) for r in raw]
         assert ids.tolist() == expected
+
+
+def test_the_folding_warning_says_what_the_folded_tables_weigh(caplog) -> None:
+    from dataclasses import replace
+
+    from recsys.build import _warn_folded
+    from recsys.config import RunConfig
+
+    config = RunConfig()
+    config = replace(config, sparse=replace(config.sparse, max_rows_per_table=100_000))
+    with caplog.at_level("WARNING", logger="recsys"):
+        _warn_folded(config, ["a", "b", "c"], [1 << 63, 11, 1 << 40], [100_000, 0, 100_000])
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "the in-memory tables of a (9,223,372,036,854,775,808 ids), c (1,099,511,627,776 ids)" in message
+    row = 16 * 4 + 4  # dim-16 float32 weights and row-wise Adagrad's one float
+    mib = 100_000 * row / 2**20
+    assert (
+        f"Each of these tables holds 100,000 rows ({mib:.1f} MiB with its optimizer state; {2 * mib:.1f} "
+        in message
+    )
+    assert "declare a feature's id_space in the dataset spec" in message

@@ -50,6 +50,17 @@ def test_the_buffer_size_does_not_change_the_bundle(trained, tmp_path):
     small = export_bundle(run, tmp_path / "small", options=ExportOptions(buffer_rows=7))
     large = export_bundle(run, tmp_path / "large", options=ExportOptions(buffer_rows=1 << 20))
     assert small["tables"] == large["tables"]
+    # each table's bytes in the report: its rows as stored (plain: the safetensors tensor of float32
+    # weights; tiered: the LMDB values of row_floats words)
+    model = json.loads((tmp_path / "small" / "model.json").read_text())
+    tensors = load_file(tmp_path / "small" / "tables.safetensors")
+    for f in model["features"]:
+        expected = (
+            tensors[f"{f['table']}.weight"].numel() * 4
+            if f["kind"] == "plain"
+            else f["rows"] * model["row_floats"] * 4
+        )
+        assert small["tables"][f["table"]]["bytes"] == expected > 0
     for name in ("dense.safetensors", "tables.safetensors"):
         assert (tmp_path / "small" / name).read_bytes() == (tmp_path / "large" / name).read_bytes()
     model = json.loads((tmp_path / "small" / "model.json").read_text())
