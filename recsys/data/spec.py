@@ -141,6 +141,7 @@ class SplitSpec:
     eval_fraction: float = 0.1
     eval_files: tuple[str, ...] = ()
     order_by: str = ""  # numbers sort as numbers, text by its bytes; empty values first
+    order_format: str = ""  # strptime codes ("%m/%d/%Y"): order_by's text is a time, ordered as one
     group_by: str = ""  # a column of the data files: its equal values stay on one side
     shuffle: bool = False
 
@@ -401,8 +402,18 @@ def _check(spec: DatasetSpec) -> None:
 
 
 def _check_split(spec: DatasetSpec) -> None:
-    """``order_by`` / ``group_by``: strings naming a column, of a format with named columns, no eval_files."""
+    """``order_by`` / ``group_by``: strings naming a column, of a format with named columns, no eval_files;
+    ``order_format``: strptime codes, with ``order_by``."""
     where, split = spec.path, spec.split
+    fmt = split.order_format
+    if not isinstance(fmt, str):
+        raise UserError(f"{where} [split] order_format must be strptime codes (a string), got {quoted(fmt)}")
+    if fmt and not split.order_by:
+        raise UserError(f"{where} [split] order_format = {quoted(fmt)} needs order_by (the column it parses)")
+    if fmt and "%" not in fmt:
+        raise UserError(
+            f'{where} [split] order_format = {quoted(fmt)}: no strptime code in it (e.g. "%m/%d/%Y")'
+        )
     for key in ("order_by", "group_by"):
         value = getattr(split, key)
         if not isinstance(value, str):

@@ -44,7 +44,7 @@ from recsys.data.spec import (
     path_problem,
     quoted,
 )
-from recsys.data.split import SplitKeys, check_split_columns, merge_keys, row_keys, split_rows
+from recsys.data.split import SplitKeys, check_split_columns, merge_keys, order_times, row_keys, split_rows
 from recsys.data.stats import SplitStats, stats_of_source
 from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
 from recsys.errors import UserError
@@ -76,12 +76,16 @@ class TextParser:
         table = TextTable(fields, self.columns)
         problems = Problems(fields.num_rows)
         block, _ = to_block(table, _features_only(self.spec), self.sides, problems)
+        split = self.spec.split
+        times = order_times(table, split, problems)
         keep = problems.resolve(fields.lines, issues)
         if keep is not None:
             idx = np.flatnonzero(keep)
             block, table = block.take(idx), TextTable(fields.keep(idx), self.columns)
-        split = self.spec.split
-        return block, row_keys(table, order_by=split.order_by, group_by=split.group_by, where=issues.path)
+            times = None if times is None else times[idx]
+        return block, row_keys(
+            table, order_by=split.order_by, group_by=split.group_by, where=issues.path, times=times
+        )
 
 
 def _expand(root: Path, names: tuple[str, ...], key: str) -> list[Path]:
@@ -281,9 +285,14 @@ class SpecDataset(SplitDataset):
                 table = ArrowTable(batch, first_row)
                 problems = Problems(table.num_rows)
                 block, _ = to_block(table, features, self._sides, problems)
+                times = order_times(table, spec.split, problems)
                 keep = problems.resolve(table.lines, Issues(str(path), self.on_error))
                 keys = row_keys(
-                    table, order_by=spec.split.order_by, group_by=spec.split.group_by, where=str(path)
+                    table,
+                    order_by=spec.split.order_by,
+                    group_by=spec.split.group_by,
+                    where=str(path),
+                    times=times,
                 )
                 if keep is None:
                     return block, keys

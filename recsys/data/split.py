@@ -7,6 +7,9 @@ is loaded into memory, and :func:`split_rows` picks the rows of each side:
 * ``order_by`` sorts rows (stable: ties keep file order). A column whose values are all numbers sorts
   as numbers (float64); a column none of whose values is a number sorts by the bytes of its values
   (ISO dates ``2024-01-09 < 2024-01-10``); a column with both is refused. Empty values sort first.
+  With ``order_format`` (strptime codes) the column's text is parsed as a time and sorts as one (a value
+  that does not parse is a malformed row, per ``on_error``); text that looks like dates which do not sort
+  as text (``1/9/2024``, ``2024-1-9``) is refused without it.
 * ``group_by`` keeps every row of a group (equal bytes in that column) on one side. With ``order_by``
   groups are ordered by their smallest ``order_by`` value (ties: by the group's key hash, then by its
   first row) and the last whole groups nearest to ``eval_fraction`` of the rows are held out; without
@@ -15,8 +18,10 @@ is loaded into memory, and :func:`split_rows` picks the rows of each side:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -29,7 +34,15 @@ from recsys.data.spec import SplitSpec
 from recsys.data.tabular import ArrowTable, SideTable, Table, TextTable
 from recsys.errors import UserError
 
-__all__ = ["SplitKeys", "row_keys", "merge_keys", "split_rows", "check_split_columns", "held_out_groups"]
+__all__ = [
+    "SplitKeys",
+    "order_times",
+    "row_keys",
+    "merge_keys",
+    "split_rows",
+    "check_split_columns",
+    "held_out_groups",
+]
 
 # Salts the group hash so that a group's side does not follow its token id (the same 64-bit hash).
 _GROUP_SALT = np.uint64(0x6A09E667F3BCC909)
@@ -72,6 +85,72 @@ def _mixed(column: str, number_at: str, text_at: str) -> UserError:
     )
 
 
+# A value that reads as a date: day, month and year in some order, split by / . or -
+_DATE_LIKE = re.compile(rb"\s*\d{1,4}([/.-])\d{1,2}\1\d{1,4}(?!\d)")
+# ... that sorts as text: a zero-padded year, month and day, in that order
+_ISO_DATE = re.compile(rb"\s*\d{4}([/.-])\d{2}\1\d{2}(?!\d)")
+_DATE_SAMPLE = 1000  # values of a chunk looked at
+
+
+def _refuse_unsortable_dates(texts: np.ndarray, column: str, where: Any) -> None:
+    """Refuse text keys that are dates which do not sort as text (``where(i)``: where value ``i`` is)."""
+    for i in np.flatnonzero(texts != b"")[:_DATE_SAMPLE]:
+        value = bytes(texts[i])
+        if _DATE_LIKE.match(value) and not _ISO_DATE.match(value):
+            raise UserError(
+                f"[split] order_by = {column!r}: its values are dates that do not sort as text "
+                f"({value.decode('utf-8', 'replace')!r} at {where(int(i))}); set [split] order_format to "
+                'their strptime codes (e.g. "%m/%d/%Y")'
+            )
+
+
+def _texts(table: Table, column: str) -> np.ndarray:
+    """(N,) the column's values as bytes (``b""``: empty or null)."""
+    if isinstance(table, TextTable):
+        mat, _ = column_matrix(table.fields, table.columns.index(column))
+        return np.ascontiguousarray(mat).view(f"S{mat.shape[1]}").ravel()
+    import pyarrow as pa
+
+    arr = table.batch.column(table.columns.index(column))  # type: ignore[attr-defined]
+    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+        raise UserError(
+            f"[split] order_format applies to text, and order_by column {column!r} has type {arr.type}: "
+            "remove order_format"
+        )
+    raw = [b"" if v is None else v.encode() for v in arr.to_pylist()]
+    return np.array(raw, dtype=np.bytes_) if raw else np.zeros(0, "S1")
+
+
+def order_times(table: Table, split: SplitSpec, problems: Problems) -> np.ndarray | None:
+    """With ``split.order_format``: (N,) float64 seconds since 1970 of the ``order_by`` column's times
+    (a time without a zone is read as UTC; NaN: an empty value); a value the format does not parse is
+    reported to ``problems``. None without ``order_format``."""
+    if not split.order_format:
+        return None
+    column = split.order_by
+    if column not in table.columns:
+        return None  # row_keys names the missing column
+    texts = _texts(table, column)
+    distinct, inverse = np.unique(texts, return_inverse=True)  # dates repeat: parse each once
+    times = np.full(distinct.shape[0], np.nan)
+    bad = np.zeros(distinct.shape[0], dtype=bool)
+    for k, raw in enumerate(distinct.tolist()):
+        if raw.strip() == b"":
+            continue
+        try:
+            t = datetime.strptime(raw.decode("utf-8").strip(), split.order_format)
+        except (UnicodeDecodeError, ValueError):
+            bad[k] = True
+            continue
+        times[k] = (t if t.tzinfo is not None else t.replace(tzinfo=UTC)).timestamp()
+    unparsed = bad[inverse]
+    if unparsed.any():
+        shown = np.array([v.decode("utf-8", "replace") for v in texts.tolist()], dtype=np.str_)
+        reason = f"[split] order_by {column!r}: not a time of order_format {split.order_format!r}"
+        problems.add_rows(table.lines, unparsed, reason, shown)
+    return times[inverse]
+
+
 def _text_order(table: TextTable, column: str, where: str) -> SplitKeys:
     f = table.fields
     col = table.columns.index(column)
@@ -89,7 +168,9 @@ def _text_order(table: TextTable, column: str, where: str) -> SplitKeys:
         if number_at:
             raise _mixed(column, number_at, text_at)
         mat, _ = column_matrix(f, col)  # zero-padded: numpy compares bytes strings without trailing NULs
-        return SplitKeys(np.ascontiguousarray(mat).view(f"S{mat.shape[1]}").ravel(), None, "", text_at)
+        texts = np.ascontiguousarray(mat).view(f"S{mat.shape[1]}").ravel()
+        _refuse_unsortable_dates(texts, column, lambda i: f"{where}:{int(f.lines[i])}")
+        return SplitKeys(texts, None, "", text_at)
     return SplitKeys(np.where(missing, np.nan, values), None, number_at, "")
 
 
@@ -112,6 +193,7 @@ def _arrow_order(table: ArrowTable, column: str, where: str) -> SplitKeys:
         keys = np.array(raw, dtype=np.bytes_) if raw else np.zeros(0, "S1")
         first = np.flatnonzero(~null)
         at = f"{where} row {int(table.lines[first[0]])}" if first.size else ""
+        _refuse_unsortable_dates(keys, column, lambda i: f"{where} row {int(table.lines[i])}")
         return SplitKeys(keys, None, "", at)
     if pa.types.is_temporal(kind):
         arr = arr.cast(pa.int32() if kind.bit_width == 32 else pa.int64())  # its count of time units
@@ -151,13 +233,16 @@ def _group_keys(table: Table, column: str) -> np.ndarray:
     return one.keys(column)
 
 
-def row_keys(table: Table, *, order_by: str, group_by: str, where: str) -> SplitKeys | None:
+def row_keys(
+    table: Table, *, order_by: str, group_by: str, where: str, times: np.ndarray | None = None
+) -> SplitKeys | None:
     """The split keys of a table's rows, or None when the split needs none.
 
     Args:
         table: a chunk of the data (text or a Parquet record batch).
         order_by, group_by: the ``[split]`` columns ("" for none).
         where: the file, for messages.
+        times: the ``order_by`` values as times (:func:`order_times`), with ``order_format``.
 
     Raises:
         UserError: a column the table lacks, an ``order_by`` column holding numbers and text, or (Parquet)
@@ -171,7 +256,9 @@ def row_keys(table: Table, *, order_by: str, group_by: str, where: str) -> Split
                 f"{where}: [split] {key} = {column!r}: no such column (columns: {', '.join(table.columns)})"
             )
     keys = SplitKeys(None, None)
-    if order_by and isinstance(table, TextTable):
+    if order_by and times is not None:
+        keys = SplitKeys(times, None, where, "")
+    elif order_by and isinstance(table, TextTable):
         keys = _text_order(table, order_by, where)
     elif order_by:
         keys = _arrow_order(table, order_by, where)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ held-out split (the sorted order: the held-out rows are its last ``eval_fraction
 from __future__ import annotations
 
 import datetime
+import re
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,93 @@ def test_parquet_files_of_numbers_and_text_are_refused_naming_each_file(tmp_path
         UserError, match=r"holds numbers \(.*a.parquet row 1\) and text \(.*b.parquet row 1\)"
     ):
         build_dataset(DataConfig(source=str(tmp_path / "spec.toml")), synthetic=SyntheticConfig(), seed=0)
+
+
+def _with_format(folder: Path, fmt: str) -> None:
+    spec = SPEC.format(fmt="csv", ext="csv").replace(
+        'order_by = "t"', f'order_by = "t"\norder_format = "{fmt}"'
+    )
+    (folder / "spec.toml").write_text(spec)
+
+
+def _format_rows(folder: Path, values: list[str], fmt: str, on_error: OnError = OnError.RAISE) -> list[int]:
+    lines = ["row,t,y"] + [f"{i},{v},{i % 2}" for i, v in enumerate(values)]
+    (folder / "rows.csv").write_text("\n".join(lines) + "\n")
+    _with_format(folder, fmt)
+    ds = build_dataset(
+        DataConfig(source=str(folder / "spec.toml"), on_error=on_error), synthetic=SyntheticConfig(), seed=0
+    )
+    return ds.train_source.block.ids[0].values.tolist() + ds.eval_source.block.ids[0].values.tolist()
+
+
+def test_order_format_orders_dates_as_times(tmp_path):
+    # As text: "1/10/2024" < "1/9/2024" < "12/31/2023"; as dates 12/31/2023 < 1/9 < 1/10.
+    values = ["1/10/2024", "12/31/2023", "1/9/2024", "", "2/1/2024"]
+    assert _format_rows(tmp_path, values, "%m/%d/%Y") == [3, 1, 2, 0, 4]
+
+
+def test_order_format_gives_the_split_of_the_same_dates_in_iso(tmp_path):
+    us = ["3/2/2024", "1/15/2024", "12/1/2023", "1/15/2024", "2/29/2024", "1/2/2024"]
+    iso = [datetime.datetime.strptime(v, "%m/%d/%Y").strftime("%Y-%m-%d") for v in us]
+    ordered_us = _format_rows(tmp_path, us, "%m/%d/%Y")
+    assert ordered_us == _sorted_rows(tmp_path, iso) == [2, 5, 1, 3, 4, 0]
+
+
+def test_dates_that_do_not_sort_as_text_are_refused_without_order_format(tmp_path):
+    for values in (["1/10/2024", "12/31/2023"], ["2024-1-9", "2024-1-10"], ["09.01.2024", "10.01.2024"]):
+        with pytest.raises(UserError) as err:
+            _sorted_rows(tmp_path, values)
+        message = str(err.value)
+        assert message.startswith("[split] order_by = 't': its values are dates that do not sort as text (")
+        assert "rows.csv:2)" in message and "set [split] order_format" in message and "\n" not in message
+    assert _sorted_rows(tmp_path, ["2024/01/10", "2024/01/09"]) == [1, 0]  # zero-padded, year first: fine
+
+
+def test_a_value_order_format_cannot_parse_follows_on_error(tmp_path):
+    values = ["1/10/2024", "13/45/2024", "1/9/2024", "1/8/2024"]
+    with pytest.raises(
+        UserError,
+        match=r"rows.csv:3: \[split\] order_by 't': not a time of order_format "
+        r"'%m/%d/%Y': '13/45/2024'",
+    ):
+        _format_rows(tmp_path, values, "%m/%d/%Y")
+    assert _format_rows(tmp_path, values, "%m/%d/%Y", on_error=OnError.SKIP) == [3, 2, 0]
+
+
+@pytest.mark.parametrize(
+    ("split", "message"),
+    [
+        ('order_format = "%Y"', "order_format = '%Y' needs order_by"),
+        ('order_by = "t"\norder_format = "Y-m-d"', "no strptime code in it"),
+        ('order_by = "t"\norder_format = 3', "order_format must be strptime codes (a string), got 3"),
+    ],
+)
+def test_a_bad_order_format_is_refused_in_one_line(tmp_path, split, message):
+    spec = SPEC.format(fmt="csv", ext="csv").replace('order_by = "t"', split)
+    (tmp_path / "spec.toml").write_text(spec)
+    (tmp_path / "rows.csv").write_text("row,t,y\n0,1,0\n")
+    with pytest.raises(UserError, match=re.escape(message)):
+        build_dataset(DataConfig(source=str(tmp_path / "spec.toml")), synthetic=SyntheticConfig(), seed=0)
+
+
+def test_parquet_text_dates_take_order_format_too(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    t = ["1/10/2024", "12/31/2023", None, "1/9/2024"]
+    pq.write_table(pa.table({"row": [0, 1, 2, 3], "t": t, "y": [0, 1, 0, 1]}), tmp_path / "rows.parquet")
+    spec = SPEC.format(fmt="parquet", ext="parquet")
+    (tmp_path / "spec.toml").write_text(spec)
+    with pytest.raises(
+        UserError, match=r"its values are dates that do not sort as text \('1/10/2024' at .*row 1\)"
+    ):
+        build_dataset(DataConfig(source=str(tmp_path / "spec.toml")), synthetic=SyntheticConfig(), seed=0)
+    (tmp_path / "spec.toml").write_text(
+        spec.replace('order_by = "t"', 'order_by = "t"\norder_format = "%m/%d/%Y"')
+    )
+    ds = build_dataset(DataConfig(source=str(tmp_path / "spec.toml")), synthetic=SyntheticConfig(), seed=0)
+    assert ds.train_source.block.ids[0].values.tolist() + ds.eval_source.block.ids[0].values.tolist() == [
+        2,
+        1,
+        3,
+        0,
+    ]
