@@ -97,6 +97,7 @@ class TrainLoop:
         self.metrics = metrics
         self._warned: dict[str, int] = {}
         self._logs = 0
+        self.ranking: dict[str, float | int] = {}  # the last evaluation's ranking metrics
         self._bounds: BoundsMetrics | None = None
 
     def _bounds_metrics(self) -> BoundsMetrics | None:
@@ -215,15 +216,27 @@ class TrainLoop:
             path = t.save(best=True)
             e = Evaluation(step=e.step, auc=e.auc, logloss=e.logloss, digest=t.digest(checkpoint=path))
         state.selection.update(e)
+        self.ranking = scores.ranking
         with writing(self.metrics.path):
             self.metrics.write(
-                kind="eval", step=state.step, auc=auc, logloss=logloss, constant_logloss=baseline, best=keep
+                kind="eval",
+                step=state.step,
+                auc=auc,
+                logloss=logloss,
+                constant_logloss=baseline,
+                best=keep,
+                **scores.ranking,
             )
         if t.env.is_main:
             shown = "n/a" if e.auc is None else f"{e.auc:.4f}"
             versus = "" if baseline is None else f" (constant predictor {baseline:.4f})"
+            ranked = "".join(
+                f" {name} {scores.ranking[name]:.4f}"
+                for name in ("gauc", "ndcg_at_10", "recall_at_10")
+                if name in scores.ranking
+            )
             bar.write(
-                f"step {state.step}: eval auc {shown} logloss {logloss:.4f}{versus}"
+                f"step {state.step}: eval auc {shown} logloss {logloss:.4f}{ranked}{versus}"
                 + (" best" if keep else "")
             )
         return e
@@ -312,6 +325,7 @@ class TrainLoop:
             self._checkpoint()
         result["exchange"] = t.parts.exchange.over_run()
         result.update(
+            **self.ranking,  # the last evaluation's, with eval.group_by
             auc=last.auc,
             logloss=last.logloss,
             steps=state.step,

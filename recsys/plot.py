@@ -52,6 +52,7 @@ class Curves:
     best_auc_step: int | None = None
     tier_steps: list[int] = field(default_factory=list)
     tiers: dict[str, list[float]] = field(default_factory=dict)
+    gauc: list[float] = field(default_factory=list)  # with eval.group_by: at eval_steps
 
     def not_finite(self) -> dict[str, list[int]]:
         """{series: the steps where it is not finite}, for the series that have any."""
@@ -155,6 +156,8 @@ def curves(records: Iterable[Mapping[str, Any]], *, source: str = "metrics.jsonl
         c.eval_steps.append(step)
         c.logloss.append(_number(r, "logloss", r["_where"]))
         c.auc.append(_number(r, "auc", r["_where"]))
+        if "gauc" in r:
+            c.gauc.append(_number(r, "gauc", r["_where"]))
         constant = _number(r, "constant_logloss", r["_where"])
         if math.isfinite(constant):
             c.constant_logloss = constant  # the same at every evaluation; the last one known
@@ -321,6 +324,8 @@ def _draw(plt: Any, c: Curves, tables: Mapping[str, Mapping[str, float]], *, tit
         logloss.plot([c.best_step], [c.best_logloss], "*", color="tab:green", ms=16, zorder=5)
     _panel(logloss, "Held-out log loss (lower is better)", "log loss", empty=not c.eval_steps)
     _series(auc, c.eval_steps, c.auc, "held-out AUC", "tab:purple", marker="o")
+    if c.gauc and len(c.gauc) == len(c.eval_steps):  # eval.group_by: the per-group AUC beside it
+        _series(auc, c.eval_steps, c.gauc, "held-out GAUC (per group)", "tab:brown", marker="s")
     auc.axhline(0.5, color="grey", ls=":", lw=1.5, label="constant predictor (0.5)")
     if c.best_auc_step is not None:
         value = c.auc[c.eval_steps.index(c.best_auc_step)]

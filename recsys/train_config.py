@@ -92,12 +92,15 @@ class EvalConfig:
             ``auc`` (higher is better).
         patience: stop training after this many evaluations in a row without a better ``select`` metric
             (0: never stop early).
+        group_by: a sparse feature whose id groups the held-out samples (the user, say); each evaluation
+            then adds ``gauc``, ``ndcg_at_10`` and ``recall_at_10`` (``recsys/ranking.py``). "": none.
     """
 
     every: int = 0
     batch_size: int = 4096
     select: str = "logloss"
     patience: int = 0
+    group_by: str = ""
 
     def __post_init__(self) -> None:
         if self.every < 0:

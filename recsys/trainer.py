@@ -104,7 +104,11 @@ class Trainer:
         )
         self.tier_metrics = self.binding.tier_metrics(self.capacities, env.world_size)  # None in memory
         self.evaluator = Evaluator(
-            parts, env=env, batch_size=config.eval.batch_size, tier_metrics=self.tier_metrics
+            parts,
+            env=env,
+            batch_size=config.eval.batch_size,
+            tier_metrics=self.tier_metrics,
+            group_by=config.eval.group_by,
         )
         # meta.json's entries in this order: the run's record, then its progress ("trainer").
         self.checkpoint_parts: dict[str, Checkpointable] = {

@@ -110,8 +110,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     record = {"run": str(args.run), **result, "overrides": list(args.overrides)}
     write_json(out, record)
     auc = "n/a" if result["auc"] != result["auc"] else f"{result['auc']:.6f}"
+    ranked = "".join(
+        f", {name} {result[name]:.6f}" for name in ("gauc", "ndcg_at_10", "recall_at_10") if name in result
+    )
     print(
-        f"step {result['step']}: auc {auc}, logloss {result['logloss']:.6f} ({result['world_size']} rank(s))"
+        f"step {result['step']}: auc {auc}, logloss {result['logloss']:.6f}{ranked} "
+        f"({result['world_size']} rank(s))"
     )
     print(f"wrote {out}")
     return 0

@@ -71,6 +71,7 @@ def _evaluate_rank(job: _Job) -> dict[str, Any]:
             "step": step,
             "auc": scores.auc,
             "logloss": scores.logloss,
+            **scores.ranking,
             "world_size": env.world_size,
         }
         if job.keep_logits:
