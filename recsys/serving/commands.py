@@ -1,4 +1,4 @@
-"""The ``recsys evaluate``, ``recsys export`` and ``recsys predict`` commands.
+"""The ``recsys evaluate``, ``recsys export``, ``recsys predict`` and ``recsys recommend`` commands.
 
 ``register(sub)`` adds their parsers to the CLI's subparsers; ``run(args)`` runs the one parsed. Heavy
 modules are imported when a command runs, so that ``recsys --help`` stays quick.
@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = ["COMMANDS", "register", "run"]
 
-COMMANDS = ("evaluate", "export", "predict")
+COMMANDS = ("evaluate", "export", "predict", "recommend")
 EXIT_USAGE = 2
 
 
@@ -89,6 +89,23 @@ def register(sub: Any) -> None:
         "--no-verify", action="store_true", help="skip the bundle's checksums (sizes are still checked)"
     )
     _overrides(pr, "e.g. --set data.path=other/files")
+
+    rc = sub.add_parser("recommend", help="the top K candidates of every user, scored with a bundle")
+    rc.add_argument("--bundle", required=True, type=Path, help="bundle directory written by recsys export")
+    rc.add_argument(
+        "--users", required=True, type=Path, help="users file: a header and the user-side columns"
+    )
+    rc.add_argument(
+        "--candidates", required=True, type=Path, help="candidates file: a header and the item-side columns"
+    )
+    rc.add_argument("--k", type=int, default=10, help="candidates kept per user (default 10)")
+    rc.add_argument("--out", required=True, type=Path, help="output file: .csv, .csv.gz, .parquet or .pq")
+    rc.add_argument("--user-column", default=None, help="the users' key column (default: the first)")
+    rc.add_argument("--item-column", default=None, help="the candidates' key column (default: the first)")
+    rc.add_argument("--batch-size", type=int, default=4096, help="pairs scored at once (default 4096)")
+    rc.add_argument(
+        "--cache-rows", type=int, default=1 << 16, help="cached rows per tiered table (default 65536)"
+    )
 
 
 def _fail(message: str) -> int:
@@ -173,6 +190,28 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recommend(args: argparse.Namespace) -> int:
+    from recsys.serving.recommend import recommend
+
+    report = recommend(
+        args.bundle,
+        args.users,
+        args.candidates,
+        args.out,
+        k=args.k,
+        user_column=args.user_column,
+        item_column=args.item_column,
+        batch_size=args.batch_size,
+        cache_rows=args.cache_rows,
+    )
+    print(
+        f"scored {report['pairs']:,} pairs ({report['users']:,} users x {report['candidates']:,} candidates) "
+        f"in {report['seconds']:.1f} s: {report['pairs_per_s']:,.0f} pairs/s"
+    )
+    print(f"wrote {report['out']}")
+    return 0
+
+
 class _Stopped(BaseException):
     """SIGTERM during export or predict, raised like SIGINT's KeyboardInterrupt (no ``except Exception``
     catches it), so that the command removes what it was writing on the way out."""
@@ -207,7 +246,9 @@ def run(args: argparse.Namespace) -> int:
     (as ``recsys train`` stopped by a signal)."""
     from recsys.errors import UserError
 
-    handler = {"evaluate": _evaluate, "export": _export, "predict": _predict}[args.command]
+    handler = {"evaluate": _evaluate, "export": _export, "predict": _predict, "recommend": _recommend}[
+        args.command
+    ]
     if args.command == "evaluate":  # its ranks have their own signal handling
         try:
             return handler(args)
@@ -221,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, _Stopped) as stop:
         signum = stop.signum if isinstance(stop, _Stopped) else signal.SIGINT
         what = f"no bundle was written to {args.out}"
-        if args.command == "predict":
+        if args.command in ("predict", "recommend"):
             what = f"{args.out} was not written (a file already there is left as it was)"
         print(f"recsys: {args.command} stopped by {signal.Signals(signum).name}; {what}", file=sys.stderr)
         return 128 + signum

@@ -38,7 +38,7 @@ class ScoreFile:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
-            types = {"line": pa.int64(), "row": pa.int64(), "label": pa.float32()}
+            types = {"line": pa.int64(), "row": pa.int64(), "rank": pa.int64(), "label": pa.float32()}
             types |= {"logit": pa.float32(), "score": pa.float32()}
             self._pa = pa
             self._schema = pa.schema([(c, types.get(c, pa.string())) for c in self.columns])

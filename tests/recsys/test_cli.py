@@ -54,9 +54,16 @@ def test_cli_surface_is_frozen():
         "plot",
         "predict",
         "preprocess",
+        "recommend",
         "train",
         "tune-cache",
     ]
+    recommend = build_parser()._subparsers._group_actions[0].choices["recommend"]  # type: ignore[union-attr]
+    flags = sorted(opt for action in recommend._actions for opt in action.option_strings)
+    assert flags == sorted(
+        ["--bundle", "--users", "--candidates", "--k", "--out", "--user-column", "--item-column", "--batch-size",
+         "--cache-rows", "-h", "--help"]
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(

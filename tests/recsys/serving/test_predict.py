@@ -328,3 +328,102 @@ def test_predict_reads_csv_with_torchrec_blocked(shop, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-2] == "0 []", proc.stdout
     assert len(_read_csv(out)) == SHOP_ROWS
+
+
+def _write_csv(path, header, rows):
+    path.write_text("\n".join([",".join(header)] + [",".join(map(str, r)) for r in rows]) + "\n")
+
+
+def test_recommend_keeps_the_top_k_of_every_user_as_predict_scores_them(shop, tmp_path):
+    _, _, bundle = shop
+    rng = np.random.default_rng(5)
+    users = [(int(u), int(rng.integers(100, 140)), int(rng.integers(0, 90))) for u in (3, 17, 150, 299, 42)]
+    items = []
+    for i in range(36):
+        tags = "|".join(f"t{rng.integers(0, 30)}" for _ in range(rng.integers(0, 4)))
+        price = "" if i % 9 == 0 else f"{rng.random() * 40:.2f}"
+        items.append((100 - i, tags, price))
+    items.append((1000, items[0][1], items[0][2]))  # the same features as item 100
+    _write_csv(tmp_path / "users.csv", ["user", "zip", "age"], users)
+    _write_csv(tmp_path / "items.csv", ["item", "tags", "price"], items)
+    out = tmp_path / "top.csv"
+    proc = cli(
+        "recommend", "--bundle", str(bundle), "--users", str(tmp_path / "users.csv"),
+        "--candidates", str(tmp_path / "items.csv"), "--k", "5", "--out", str(out), "--batch-size", "37",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "scored 185 pairs (5 users x 37 candidates)" in proc.stdout
+    top = _read_csv(out)
+    assert [r["rank"] for r in top] == ["1", "2", "3", "4", "5"] * 5
+
+    # the oracle: every pair as a line of a file that predict scores, one user per batch of 37
+    pairs = [(u, z, a, t, p) for (u, z, a) in users for (_, t, p) in items]
+    _write_csv(tmp_path / "pairs.csv", ["user", "zip", "age", "tags", "price"], pairs)
+    scored = tmp_path / "pairs_scores.csv"
+    proc = cli(
+        "predict", "--bundle", str(bundle), "--input", str(tmp_path / "pairs.csv"), "--out", str(scored),
+        "--batch-size", "37",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _read_csv(scored)
+    for n, (user, *_) in enumerate(users):
+        mine = rows[n * 37 : (n + 1) * 37]
+        ranked = sorted(range(37), key=lambda i: (-float(mine[i]["logit"]), items[i][0]))[:5]
+        got = [r for r in top if r["user"] == str(user)]
+        assert [r["item"] for r in got] == [str(items[i][0]) for i in ranked]
+        assert [(r["logit"], r["score"]) for r in got] == [
+            (mine[i]["logit"], mine[i]["score"]) for i in ranked
+        ]
+    # every candidate ranked (k above their number), best first
+    everything = tmp_path / "all.csv"
+    proc = cli(
+        "recommend", "--bundle", str(bundle), "--users", str(tmp_path / "users.csv"),
+        "--candidates", str(tmp_path / "items.csv"), "--k", "50", "--out", str(everything),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranked_all = _read_csv(everything)
+    assert len(ranked_all) == 5 * 37
+    for user, *_ in users:
+        mine = [r for r in ranked_all if r["user"] == str(user)]
+        assert sorted(r["item"] for r in mine) == sorted(str(i[0]) for i in items)
+        assert all(float(a["logit"]) >= float(b["logit"]) for a, b in zip(mine, mine[1:], strict=False))
+
+
+@pytest.mark.parametrize(
+    ("users", "items", "message"),
+    [
+        (
+            ["user,zip", "3,120"],
+            ["item,tags,price", "1,t1,2.0"],
+            "field 'age' (column 'age') is in neither file",
+        ),
+        (
+            ["user,zip,age,price", "3,120,5,1"],
+            ["item,tags,price", "1,t1,2.0"],
+            "field 'price' (column 'price') is in both files",
+        ),
+        (["user,zip,age"], ["item,tags,price", "1,t1,2.0"], "no rows after the header"),
+    ],
+)
+def test_recommend_refuses_bad_files_in_one_line(shop, tmp_path, users, items, message):
+    _, _, bundle = shop
+    (tmp_path / "u.csv").write_text("\n".join(users) + "\n")
+    (tmp_path / "i.csv").write_text("\n".join(items) + "\n")
+    proc = cli(
+        "recommend", "--bundle", str(bundle), "--users", str(tmp_path / "u.csv"),
+        "--candidates", str(tmp_path / "i.csv"), "--out", str(tmp_path / "o.csv"),
+    )  # fmt: skip
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert message in line and line.startswith("recsys: error: ")
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_recommend_breaks_ties_by_item_key():
+    from recsys.serving.recommend import _sort_keys, top_k
+
+    logits = np.array([0.5, 0.9, 0.5, 0.5, 0.1], dtype=np.float32)
+    numeric = _sort_keys(["10", "7", "9", "100", "1"])  # as integers: 9 < 10 < 100
+    assert top_k(logits, numeric, 4).tolist() == [1, 2, 0, 3]
+    text = _sort_keys(["b10", "x", "b9", "a", "z"])  # as text: a < b10 < b9
+    assert top_k(logits, text, 5).tolist() == [1, 3, 0, 2, 4]
