@@ -96,6 +96,7 @@ CASES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     ),
     "bench_readers.py": ("--dir", ("ours_over_pyarrow", "ours_rows_per_s", "pyarrow_rows_per_s")),
     "bench_real_data.py": ("--out", ("all_pass", "configs.movielens-100k.median_auc")),
+    "bench_recommend.py": ("--dir", ("recommend_pairs_per_s", "predict_pairs_per_s", "recommend_vs_predict")),
     "bench_scale.py": ("--dir", ("rows_in_lmdb", "peak_rss_gib", "writeback_rows_per_s", "rows_exact")),
     "bench_serving.py": (
         "--dir",
