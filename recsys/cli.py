@@ -21,8 +21,12 @@ import shlex
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recsys.serving import commands as serving
+
+if TYPE_CHECKING:
+    from recsys.config import RunConfig
 
 __all__ = ["main", "build_parser"]
 
@@ -180,6 +184,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
         check_source(config.data)  # a bad dataset spec fails here, before any worker starts
+        _check_data_columns(config)  # and a field whose column the data lacks
         if config.store.tiered and config.store.capacities_from:  # fail before spawning workers
             from recsys.store_config import load_tune
 
@@ -224,6 +229,19 @@ def _train(args: argparse.Namespace) -> int:
     if summary is not None:
         _print_done(summary, out)
     return 0
+
+
+def _check_data_columns(config: RunConfig) -> None:
+    """The dataset spec's columns against the data files' headers (headers only; fetched data is fetched
+    here, once, for the workers to find in the cache)."""
+    from recsys.data.source import data_root, spec_of
+    from recsys.data.spec import Format
+    from recsys.data.spec_dataset import check_columns
+
+    spec = spec_of(config.data)
+    if spec is None or spec.format is Format.SYNTHETIC:
+        return
+    check_columns(spec, data_root(spec, config.data))
 
 
 def _print_done(summary: dict, out: Path) -> None:

@@ -46,10 +46,17 @@ from recsys.data.spec import (
 )
 from recsys.data.split import SplitKeys, check_split_columns, merge_keys, order_times, row_keys, split_rows
 from recsys.data.stats import SplitStats, stats_of_source
-from recsys.data.tabular import ArrowTable, SideTable, TextTable, to_block
+from recsys.data.tabular import ArrowTable, SideTable, TextTable, needed_columns, to_block
 from recsys.errors import UserError
 
-__all__ = ["SpecDataset", "data_columns", "input_dataset", "scoring_dataset", "without_missing_label"]
+__all__ = [
+    "SpecDataset",
+    "check_columns",
+    "data_columns",
+    "input_dataset",
+    "scoring_dataset",
+    "without_missing_label",
+]
 
 log = logging.getLogger("recsys")
 
@@ -143,6 +150,34 @@ def data_columns(spec: DatasetSpec, path: Path) -> list[str]:
     if spec.read.header or spec.format is Format.RECBOLE:
         return _header(path, _delimiter(spec))
     raise UserError(f"{spec.path}: a file without a header needs [read] columns = [...]")
+
+
+def check_columns(spec: DatasetSpec, root: Path) -> None:
+    """Refuse a field, label or ``order_by`` column that is neither in the first data file (its header,
+    ``[read] columns`` or Parquet schema) nor in a ``[[join]]`` side file's header, in one line; reads
+    headers only (the launcher calls it before any worker starts). Formats without named columns pass.
+
+    Raises:
+        UserError: the first missing column, with the columns there are.
+    """
+    if spec.format in (Format.CRITEO_TSV, Format.TORCHREC_NPY, Format.SYNTHETIC):
+        return
+    first = _expand(root, spec.source.files, "[source] files")[0]
+    columns = data_columns(spec, first)
+    joins = [(j.file, list(j.columns)) for j in spec.join]
+    if spec.format is Format.RECBOLE and not joins:  # RecBole's own side files, as the reader joins them
+        joins = [(str(first.with_suffix(s).relative_to(root)), []) for s in (".user", ".item")]
+    for file, named in joins:
+        path = inside_root(root, root / file, f"{spec.path} [[join]] file")
+        if path.is_file():
+            columns += [c for c in (named or _header(path, _delimiter(spec))) if c not in columns]
+    missing = sorted(c for c in needed_columns(spec) if c not in columns)
+    if missing:
+        raise UserError(
+            f"{spec.path}: no column {missing[0]!r} in {first.name}"
+            + (" or its [[join]] files" if joins else "")
+            + f" (columns: {', '.join(columns)})"
+        )
 
 
 def without_missing_label(spec: DatasetSpec, root: Path, main: Path) -> DatasetSpec:

@@ -258,3 +258,46 @@ def test_cli_non_utf8_spec_exits_2_with_one_line(tmp_path, repo_root, cli_env, p
     # What the CLI can call before it starts workers, so that the error is the only line.
     config = DataConfig(source=str(spec))
     assert _one_line_error(lambda: check_source(config)) == message
+
+
+def test_a_field_whose_column_the_data_lacks_is_refused_before_any_worker_starts(tmp_path, cli_env):
+    import subprocess
+    import sys
+    import time
+
+    from tests.recsys.tiny import ROOT
+
+    (tmp_path / "a.csv").write_text("user,item,price,y\n1,2,3.5,0\n2,3,1.0,1\n")
+    (tmp_path / "side.csv").write_text("item,genre\n2,a\n3,b\n")
+    spec = """name = "cols"
+format = "csv"
+[source]
+files = ["a.csv"]
+[read]
+delimiter = ","
+[label]
+column = "y"
+[[join]]
+file = "side.csv"
+on = "item"
+[[dense]]
+name = "AMOUNT"
+[[sparse]]
+name = "user"
+[[sparse]]
+name = "genre"
+"""
+    (tmp_path / "spec.toml").write_text(spec)
+    (tmp_path / "c.toml").write_text(f'[data]\nsource = "{tmp_path / "spec.toml"}"\n[train]\nnproc = 2\n')
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "recsys", "train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r")],
+        cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"recsys: error: {tmp_path / 'spec.toml'}: no column 'AMOUNT' in a.csv or its [[join]] files "
+        "(columns: user, item, price, y, genre)"
+    ]
+    assert "spawning" not in proc.stdout + proc.stderr  # found by the launcher, from the headers
+    assert time.perf_counter() - started < 60
