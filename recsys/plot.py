@@ -53,6 +53,10 @@ class Curves:
     tier_steps: list[int] = field(default_factory=list)
     tiers: dict[str, list[float]] = field(default_factory=dict)
     gauc: list[float] = field(default_factory=list)  # with eval.group_by: at eval_steps
+    bounds_steps: list[int] = field(default_factory=list)  # bounded tables: per log window
+    bounds_rows: list[float] = field(default_factory=list)  # rows held, every bounded table
+    default_share: list[float] = field(default_factory=list)  # lookups that read a default row
+    epoch_steps: list[int] = field(default_factory=list)  # where an epoch of the training split ends
 
     def not_finite(self) -> dict[str, list[int]]:
         """{series: the steps where it is not finite}, for the series that have any."""
@@ -143,6 +147,12 @@ def curves(records: Iterable[Mapping[str, Any]], *, source: str = "metrics.jsonl
         r = train[step]
         c.train_steps.append(step)
         c.loss.append(_number(r, "loss", r["_where"]))
+        bounds = r.get("bounds")
+        if isinstance(bounds, dict) and isinstance(bounds.get("tables"), dict):
+            c.bounds_steps.append(step)
+            tables = bounds["tables"].values()
+            c.bounds_rows.append(float(sum(_number(t, "rows", r["_where"] + " bounds") for t in tables)))
+            c.default_share.append(_number(bounds, "default_share", r["_where"] + " bounds"))
         tiers = r.get("tiers")
         if tiers is None:
             continue
@@ -226,7 +236,25 @@ def load_run(run: Path) -> tuple[Curves, dict[str, Any], bool]:
             )
         raise UserError(f"{run} has no metrics.jsonl: not a run directory of recsys train")
     records, torn = read_records(path)
-    return curves(records, source=str(path)), _summary(run), torn
+    c, summary = curves(records, source=str(path)), _summary(run)
+    c.epoch_steps = epoch_steps(summary, max([*c.train_steps, *c.eval_steps]))
+    return c, summary, torn
+
+
+def epoch_steps(summary: Mapping[str, Any], last: int) -> list[int]:
+    """The steps at which an epoch of the training split ends, up to ``last``: its rows over the global
+    batch (``summary.json``'s ``splits.train.rows`` and ``config.train.batch_size``); none when either is
+    unknown, or the split has no end (synthetic data: ``sampled``)."""
+    try:
+        train = summary["splits"]["train"]
+        rows, sampled = train["rows"], train.get("sampled", False)
+        batch = summary["config"]["train"]["batch_size"]
+    except (KeyError, TypeError, AttributeError):
+        return []
+    if sampled or not isinstance(rows, int) or not isinstance(batch, int) or rows < batch or batch < 1:
+        return []
+    per_epoch = rows / batch
+    return [round(per_epoch * e) for e in range(1, int(last / per_epoch) + 1)][:200]
 
 
 def plot_run(run: Path, out: Path | None = None) -> tuple[Path, Curves, bool]:
@@ -298,8 +326,9 @@ BEST = {"color": "tab:green", "ls": "--", "lw": 1.2}
 
 def _draw(plt: Any, c: Curves, tables: Mapping[str, Mapping[str, float]], *, title: str) -> Any:
     tiered = bool(c.tier_steps or tables)
-    fig = plt.figure(figsize=(16, 9.6 if tiered else 5.0))
-    grid = fig.add_gridspec(2 if tiered else 1, 3)
+    bounded = bool(c.bounds_steps)
+    fig = plt.figure(figsize=(16, 9.6 if tiered or bounded else 5.0))
+    grid = fig.add_gridspec(2 if tiered or bounded else 1, 3)
     loss = fig.add_subplot(grid[0, 0])
     logloss = fig.add_subplot(grid[0, 1], sharex=loss)
     auc = fig.add_subplot(grid[0, 2], sharex=loss)
@@ -332,13 +361,21 @@ def _draw(plt: Any, c: Curves, tables: Mapping[str, Mapping[str, float]], *, tit
         auc.plot([c.best_auc_step], [value], "*", color="tab:purple", ms=14, zorder=5,
                  label=f"highest AUC: step {c.best_auc_step} ({value:.4f})")  # fmt: skip
     _panel(auc, "Held-out AUC (higher is better)", "AUC", empty=not c.eval_steps)
+    shown = [v for v in (*c.auc, *c.gauc) if math.isfinite(v)]
+    if shown:  # zoomed on the data: AUCs of one run often differ in the third digit
+        pad = max(0.005, 0.15 * (max(shown) - min(shown)))
+        auc.set_ylim(min(shown) - pad, max(shown) + pad)
     for ax in (loss, logloss, auc):
         if c.best_step is not None:
             ax.axvline(c.best_step, **BEST, label=f"best held-out log loss: step {c.best_step}")
+        for i, step in enumerate(c.epoch_steps):
+            ax.axvline(step, color="grey", lw=0.8, alpha=0.4, label="end of an epoch" if i == 0 else None)
         ax.legend(fontsize=8, loc="best")
     if tiered:
-        _tiers(fig.add_subplot(grid[1, :2], sharex=loss), c)
+        _tiers(fig.add_subplot(grid[1, :2] if not bounded else grid[1, 0], sharex=loss), c)
         _tables(fig.add_subplot(grid[1, 2]), tables)
+    if bounded:
+        _bounds(fig.add_subplot(grid[1, 1] if tiered else grid[1, :], sharex=loss), c)
     fig.suptitle(title, fontsize=12)
     fig.tight_layout()
     return fig
@@ -381,6 +418,20 @@ def _tiers(ax: Any, c: Curves) -> None:
     low = min([0.0, *(v for vs in c.tiers.values() for v in vs if math.isfinite(v))])
     ax.set_ylim(low - 0.02, 1.02)
     ax.legend(fontsize=8, loc="lower right")
+
+
+def _bounds(ax: Any, c: Curves) -> None:
+    """Bounded tables: the rows they hold (left axis) and the share of lookups that read a default row
+    (right axis), per log window."""
+    _series(ax, c.bounds_steps, c.bounds_rows, "rows held (bounded tables)", "tab:olive")
+    _panel(ax, "Bounded tables: rows held, default-row share", "rows", empty=False)
+    share = ax.twinx()
+    _series(share, c.bounds_steps, c.default_share, "default-row share", "tab:cyan")
+    share.set_ylabel("share of lookups")
+    share.set_ylim(0.0, 1.0)
+    lines = ax.get_legend_handles_labels()
+    more = share.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="best")
 
 
 def _tables(ax: Any, tables: Mapping[str, Mapping[str, float]]) -> None:

@@ -225,3 +225,47 @@ def test_the_command_imports_no_torch_and_never_a_traceback(trained, tmp_path, p
         proc.stderr.strip()
         == f"recsys: error: {bad / 'metrics.jsonl'} line 2 is not a JSON object: 'garbage'"
     )
+
+
+def test_bounded_rows_default_share_and_epochs_are_drawn(tmp_path):
+    from recsys.plot import epoch_steps, load_run, plot_run
+
+    run = tmp_path / "bounded"
+    run.mkdir()
+    records = []
+    for step in (10, 20, 30):
+        tables = {
+            "t_a": {"rows": 100 * step, "default_share": 0.1},
+            "t_b": {"rows": step, "default_share": 0.2},
+        }
+        records.append(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": 0.6,
+                "bounds": {"default_share": 0.3 / step, "tables": tables},
+            }
+        )
+        records.append(
+            {
+                "kind": "eval",
+                "step": step,
+                "auc": 0.70 + step / 1000,
+                "logloss": 0.6,
+                "constant_logloss": 0.65,
+            }
+        )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = {
+        "splits": {"train": {"rows": 1000, "sampled": False}},
+        "config": {"train": {"batch_size": 128}},
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    c, _, _ = load_run(run)
+    assert c.bounds_steps == [10, 20, 30] and c.bounds_rows == [1010, 2020, 3030]
+    assert c.default_share == [0.03, 0.015, 0.01]
+    assert c.epoch_steps == [8, 16, 23] == epoch_steps(summary, 30)  # 1,000 rows / 128 a step
+    assert epoch_steps({**summary, "splits": {"train": {"rows": 1000, "sampled": True}}}, 30) == []
+    out, _, _ = plot_run(run)
+    height, width, _ = image.imread(out).shape
+    assert height > width / 2  # a second row of panels: the bounded tables
