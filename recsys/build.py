@@ -157,6 +157,52 @@ def _warn_folded(cfg: RunConfig, features: list[str], spaces: list[int], fold: l
         )
 
 
+@dataclass(frozen=True)
+class TableLayout:
+    """The tables of a run's features on ``world_size`` ranks (:func:`table_layout`).
+
+    Attributes:
+        tiered: the tiered features.
+        capacities: the tiers' sizes of each tiered feature.
+        owners: ranks holding a part of each table (row-wise: all of them; table-wise: one).
+        num_embeddings: rows of each feature's table: a tiered table's slots per owner times its owners;
+            in memory, its id space, at most ``sparse.max_rows_per_table`` (a bounded table's default
+            row not counted).
+        fold: per feature, the modulus its ids are folded by into an in-memory table (0: not folded).
+    """
+
+    tiered: list[str]
+    capacities: Capacities
+    owners: int
+    num_embeddings: list[int]
+    fold: list[int]
+
+
+def table_layout(
+    cfg: RunConfig, features: list[str], id_spaces: list[int], *, world_size: int
+) -> TableLayout:
+    """The tables ``cfg`` gives ``features`` of ``id_spaces`` on ``world_size`` ranks: what a run builds
+    (:func:`build_parts`) and what ``recsys plan-exchange`` replays."""
+    tiered = tiered_features(cfg.store, features)
+    dim = cfg.model.table_dim
+    capacities = Capacities.resolve(
+        cfg.store,
+        tiered,
+        row_bytes=row_bytes(cfg.sparse, dim),
+        slot_row_bytes=slot_row_bytes(cfg.sparse, dim),
+    )
+    owners = world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
+    num_embeddings = [
+        capacities.device_rows[f] * owners if f in tiered else min(space, cfg.sparse.max_rows_per_table)
+        for f, space in zip(features, id_spaces, strict=True)
+    ]
+    fold = [
+        0 if f in tiered or space <= rows else rows
+        for f, space, rows in zip(features, id_spaces, num_embeddings, strict=True)
+    ]
+    return TableLayout(tiered, capacities, owners, num_embeddings, fold)
+
+
 def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSpec) -> ModelParts:
     """The dataset, model, optimizers and tier binding of this rank for ``config`` (collective).
 
@@ -171,15 +217,9 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
             f"{data_spec.path}: [read] has_label = false (data without labels) cannot be trained on"
         )
     features = data.feature_names
-    tiered = tiered_features(cfg.store, features)
-    dim = cfg.model.table_dim
-    capacities = Capacities.resolve(
-        cfg.store,
-        tiered,
-        row_bytes=row_bytes(cfg.sparse, dim),
-        slot_row_bytes=slot_row_bytes(cfg.sparse, dim),
-    )
-    owners = env.world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
+    layout = table_layout(cfg, features, data.id_spaces, world_size=env.world_size)
+    tiered, capacities, owners = layout.tiered, layout.capacities, layout.owners
+    num_embeddings, fold = layout.num_embeddings, layout.fold
     if env.is_main:
         for note in capacities.notes:
             log.info(note)
@@ -189,14 +229,6 @@ def build_parts(config: RunConfig, env: DistEnv, *, out_dir: Path, spec: TrainSp
         }
         for table, differ in capacities.mismatches(planned).items():
             log.warning(mismatch_warning(table, differ))  # summary.json repeats it with what ran
-    num_embeddings = [
-        capacities.device_rows[f] * owners if f in tiered else min(space, cfg.sparse.max_rows_per_table)
-        for f, space in zip(features, data.id_spaces, strict=True)
-    ]
-    fold = [
-        0 if f in tiered or space <= rows else rows
-        for f, space, rows in zip(features, data.id_spaces, num_embeddings, strict=True)
-    ]
     try:
         rules = cfg.store.bounds_rules(features)
     except ValueError as err:

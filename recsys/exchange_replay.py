@@ -39,8 +39,7 @@ import torch
 from torchrec import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys.build import fold_source
-from recsys.capacities import Capacities
+from recsys.build import fold_source, table_layout
 from recsys.config import RunConfig
 from recsys.data.batch import Batch
 from recsys.data.source import Dataset, build_dataset
@@ -55,11 +54,9 @@ from recsys.exchange_plan import (
 )
 from recsys.models import TrainModel, build_model, table_configs
 from recsys.routing import Ownership as TierOwnership
-from recsys.routing import tiered_features
 from recsys.sharding import ebc_path, embedding_sharder, sharding_plan
 from recsys.sparse import ShardingKind
 from recsys.table_names import table_name
-from recsys.tiered import row_bytes, slot_row_bytes
 
 __all__ = [
     "EXCHANGES",
@@ -131,19 +128,7 @@ class ReplaySetup:
                 "recsys plan-exchange does not replay bounded tables (store.bounds): they remap ids to "
                 "their default row by a rule with state"
             )
-        tiered = tiered_features(cfg.store, features)
-        dim = cfg.model.table_dim
-        capacities = Capacities.resolve(
-            cfg.store,
-            tiered,
-            row_bytes=row_bytes(cfg.sparse, dim),
-            slot_row_bytes=slot_row_bytes(cfg.sparse, dim),
-        )
-        rows = cfg.sparse.max_rows_per_table
-        fold = [
-            0 if f in tiered or space <= rows else rows
-            for f, space in zip(features, data.id_spaces, strict=True)
-        ]
+        layout = table_layout(cfg, features, data.id_spaces, world_size=cfg.train.nproc)
         batch, windows = cfg.train.batch_size // cfg.train.nproc, cfg.pipeline.frozen_windows
         if windows > batch:
             raise UserError(
@@ -156,9 +141,9 @@ class ReplaySetup:
         return cls(
             config=cfg,
             data=data,
-            tiered=tiered,
-            device_rows=dict(capacities.device_rows),
-            fold=fold,
+            tiered=layout.tiered,
+            device_rows=dict(layout.capacities.device_rows),
+            fold=layout.fold,
             batch=batch,
             windows=windows,
             device_type=device_type or compute_device(0).type,
@@ -172,11 +157,9 @@ class ReplaySetup:
         """The table configs a run of ``world_size`` ranks builds (a tiered table: its slots per owner x
         owners; in memory: its id space, at most ``sparse.max_rows_per_table`` rows)."""
         cfg = self.config
-        owners = world_size if cfg.sparse.sharding is ShardingKind.ROW_WISE else 1
-        num_embeddings = [
-            self.device_rows[f] * owners if f in self.tiered else min(space, cfg.sparse.max_rows_per_table)
-            for f, space in zip(self.features, self.data.id_spaces, strict=True)
-        ]
+        num_embeddings = table_layout(
+            cfg, self.features, self.data.id_spaces, world_size=world_size
+        ).num_embeddings
         return table_configs(
             self.features, dim=cfg.model.table_dim, num_embeddings=num_embeddings, fp16=cfg.sparse.fp16_tables
         )
