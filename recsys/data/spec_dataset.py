@@ -152,6 +152,21 @@ def data_columns(spec: DatasetSpec, path: Path) -> list[str]:
     raise UserError(f"{spec.path}: a file without a header needs [read] columns = [...]")
 
 
+def _available_columns(spec: DatasetSpec, root: Path, main: Path) -> list[str]:
+    """The columns the rows of data file ``main`` can read: its own (its header, ``[read] columns`` or
+    Parquet schema), then each ``[[join]]`` side file's (its declared columns or its header; RecBole's
+    ``.user`` / ``.item`` beside ``main`` when the spec names none). Headers only."""
+    columns = data_columns(spec, main)
+    sides = [(root / j.file, list(j.columns)) for j in spec.join]
+    if spec.format is Format.RECBOLE and not sides:  # RecBole's own side files, as the reader joins them
+        sides = [(main.with_suffix(suffix), []) for suffix in (".user", ".item")]
+    for path, named in sides:
+        if named or path.is_file():
+            found = named or _header(inside_root(root, path, f"{spec.path} [[join]] file"), _delimiter(spec))
+            columns += [c for c in found if c not in columns]
+    return columns
+
+
 def check_columns(spec: DatasetSpec, root: Path) -> None:
     """Refuse a field, label or ``order_by`` column that is neither in the first data file (its header,
     ``[read] columns`` or Parquet schema) nor in a ``[[join]]`` side file's header, in one line; reads
@@ -163,19 +178,13 @@ def check_columns(spec: DatasetSpec, root: Path) -> None:
     if spec.format in (Format.CRITEO_TSV, Format.TORCHREC_NPY, Format.SYNTHETIC):
         return
     first = _expand(root, spec.source.files, "[source] files")[0]
-    columns = data_columns(spec, first)
-    joins = [(j.file, list(j.columns)) for j in spec.join]
-    if spec.format is Format.RECBOLE and not joins:  # RecBole's own side files, as the reader joins them
-        joins = [(str(first.with_suffix(s).relative_to(root)), []) for s in (".user", ".item")]
-    for file, named in joins:
-        path = inside_root(root, root / file, f"{spec.path} [[join]] file")
-        if path.is_file():
-            columns += [c for c in (named or _header(path, _delimiter(spec))) if c not in columns]
+    columns = _available_columns(spec, root, first)
     missing = sorted(c for c in needed_columns(spec) if c not in columns)
     if missing:
+        joined = bool(spec.join) or spec.format is Format.RECBOLE
         raise UserError(
             f"{spec.path}: no column {missing[0]!r} in {first.name}"
-            + (" or its [[join]] files" if joins else "")
+            + (" or its [[join]] files" if joined else "")
             + f" (columns: {', '.join(columns)})"
         )
 
@@ -187,15 +196,7 @@ def without_missing_label(spec: DatasetSpec, root: Path, main: Path) -> DatasetS
     """
     if not spec.read.has_label or spec.format in (Format.CRITEO_TSV, Format.TORCHREC_NPY, Format.SYNTHETIC):
         return spec
-    columns = set(data_columns(spec, main))
-    sides = [root / j.file for j in spec.join if not j.columns]
-    columns |= {c for j in spec.join for c in j.columns}
-    if spec.format is Format.RECBOLE and not spec.join:
-        sides = [main.with_suffix(".user"), main.with_suffix(".item")]
-    for side in sides:
-        if side.is_file():
-            columns |= set(_header(side, _delimiter(spec)))
-    if spec.label.column in columns:
+    if spec.label.column in _available_columns(spec, root, main):
         return spec
     return dataclasses.replace(spec, read=dataclasses.replace(spec.read, has_label=False))
 

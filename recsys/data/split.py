@@ -106,7 +106,7 @@ def _refuse_unsortable_dates(texts: np.ndarray, column: str, where: Any) -> None
 
 def _texts(table: Table, column: str) -> np.ndarray:
     """(N,) the column's values as bytes (``b""``: empty or null)."""
-    if isinstance(table, TextTable):
+    if isinstance(table, TextTable):  # zero-padded: numpy compares bytes strings without trailing NULs
         mat, _ = column_matrix(table.fields, table.columns.index(column))
         return np.ascontiguousarray(mat).view(f"S{mat.shape[1]}").ravel()
     import pyarrow as pa
@@ -167,8 +167,7 @@ def _text_order(table: TextTable, column: str, where: str) -> SplitKeys:
         text_at = f"{where}:{int(f.lines[row])} {f.text(row, col)!r}"
         if number_at:
             raise _mixed(column, number_at, text_at)
-        mat, _ = column_matrix(f, col)  # zero-padded: numpy compares bytes strings without trailing NULs
-        texts = np.ascontiguousarray(mat).view(f"S{mat.shape[1]}").ravel()
+        texts = _texts(table, column)
         _refuse_unsortable_dates(texts, column, lambda i: f"{where}:{int(f.lines[i])}")
         return SplitKeys(texts, None, "", text_at)
     return SplitKeys(np.where(missing, np.nan, values), None, number_at, "")
